@@ -1,0 +1,139 @@
+"""The env contract between whoever starts a DDPJob pod and the ``ddpjob-agent`` inside it.
+
+Both sides import this module: the operator's pod builder (and the local runner) write the
+environment with :func:`agent_env`, and ``ddpjob-agent`` reads it back. It is stdlib only, so
+the operator never pulls in torch and the worker never pulls in the operator's dependencies
+(an import-linter contract enforces this).
+
+Every rendezvous setting is carried in torchrun's own ``PET_*`` variables, so a pod whose
+container runs plain ``torchrun`` gets the same rendezvous as one that runs ``ddpjob-agent``.
+Settings that torchrun has no flag for go into ``PET_RDZV_CONF`` (which torch's c10d
+rendezvous reads: ``is_host``, ``join_timeout``, ``last_call_timeout``, ``keep_alive_*``) or
+into ``DDPJOB_*`` variables that only our agent reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+# torchrun's flags, as environment variables (torch/distributed/run.py, ``action=env``).
+PET_NNODES = "PET_NNODES"
+PET_NPROC_PER_NODE = "PET_NPROC_PER_NODE"
+PET_RDZV_BACKEND = "PET_RDZV_BACKEND"
+PET_RDZV_ENDPOINT = "PET_RDZV_ENDPOINT"
+PET_RDZV_ID = "PET_RDZV_ID"
+PET_RDZV_CONF = "PET_RDZV_CONF"
+PET_MAX_RESTARTS = "PET_MAX_RESTARTS"
+PET_MONITOR_INTERVAL = "PET_MONITOR_INTERVAL"
+PET_LOCAL_ADDR = "PET_LOCAL_ADDR"
+
+# Settings only ddpjob-agent reads.
+DDPJOB_JOB_NAME = "DDPJOB_JOB_NAME"
+DDPJOB_POD_INDEX = "DDPJOB_POD_INDEX"
+DDPJOB_RDZV_HOST = "DDPJOB_RDZV_HOST"
+"""``1`` on pod 0, the pod that hosts the c10d store; ``0`` elsewhere."""
+DDPJOB_STATE_FILE = "DDPJOB_STATE_FILE"
+"""Where the agent keeps its JSON state (round, world size, restarts, last failure)."""
+DDPJOB_GRACE_SECONDS = "DDPJOB_GRACE_SECONDS"
+"""How long the agent waits for its workers after forwarding SIGTERM before it kills them."""
+
+# Reliability setting for torch's elastic agent: do not let the workers' process group reuse
+# the rendezvous TCP store. With sharing on, a restart hangs in gloo init 5 times in 12 and a
+# scale-up never completes (TORCHRUN-BASELINE.md). Set only if the user has not set it.
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+EXIT_STOPPED_BY_SIGNAL = 143
+"""The agent's exit code after a graceful stop on SIGTERM/SIGINT: 128 + SIGTERM.
+
+Under ``restartPolicy: ExitCode`` it falls in the retryable range (128-255), and the operator
+classifies a pod that ends with it as ``Preempted`` rather than failed.
+"""
+
+DEFAULT_RDZV_PORT = 29400
+DEFAULT_STATE_DIR = "/var/run/ddpjob"
+DEFAULT_STATE_FILE = f"{DEFAULT_STATE_DIR}/state.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentContract:
+    """Everything one pod's agent needs to know, as plain values.
+
+    ``endpoint_host:port`` is where pod 0's agent hosts the c10d store. ``is_host`` is true only
+    for pod 0: the store's host is decided by this contract, never by hostname matching.
+    """
+
+    job_name: str
+    run_id: str
+    pod_index: int
+    endpoint_host: str
+    port: int
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int
+    join_timeout: int
+    last_call_timeout: int
+    close_timeout: int
+    keep_alive_interval: int
+    keep_alive_max_attempt: int
+    grace_seconds: int
+    state_file: str = DEFAULT_STATE_FILE
+    monitor_interval: float = 0.1
+
+    @property
+    def is_host(self) -> bool:
+        return self.pod_index == 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.endpoint_host}:{self.port}"
+
+    def rdzv_conf(self) -> dict[str, str]:
+        return {
+            "is_host": "true" if self.is_host else "false",
+            "join_timeout": str(self.join_timeout),
+            "last_call_timeout": str(self.last_call_timeout),
+            "close_timeout": str(self.close_timeout),
+            "keep_alive_interval": str(self.keep_alive_interval),
+            "keep_alive_max_attempt": str(self.keep_alive_max_attempt),
+        }
+
+
+def format_rdzv_conf(conf: Mapping[str, str]) -> str:
+    """Format ``{"a": "1"}`` the way torchrun's ``--rdzv-conf`` takes it: ``a=1,b=2``."""
+    return ",".join(f"{key}={value}" for key, value in conf.items())
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """Parse torchrun's ``--rdzv-conf`` syntax. Raises ValueError naming the bad item."""
+    conf: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"rdzv conf item {item!r} is not of the form key=value")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def agent_env(contract: AgentContract) -> dict[str, str]:
+    """The environment that makes ``ddpjob-agent`` (or plain ``torchrun``) join the job."""
+    return {
+        PET_NNODES: f"{contract.min_nodes}:{contract.max_nodes}",
+        PET_NPROC_PER_NODE: str(contract.nproc_per_node),
+        PET_RDZV_BACKEND: "c10d",
+        PET_RDZV_ENDPOINT: contract.endpoint,
+        PET_RDZV_ID: contract.run_id,
+        PET_RDZV_CONF: format_rdzv_conf(contract.rdzv_conf()),
+        PET_MAX_RESTARTS: str(contract.max_restarts),
+        PET_MONITOR_INTERVAL: str(contract.monitor_interval),
+        DDPJOB_JOB_NAME: contract.job_name,
+        DDPJOB_POD_INDEX: str(contract.pod_index),
+        DDPJOB_RDZV_HOST: "1" if contract.is_host else "0",
+        DDPJOB_STATE_FILE: contract.state_file,
+        DDPJOB_GRACE_SECONDS: str(contract.grace_seconds),
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
+    }
