@@ -1,0 +1,42 @@
+# Everything installs itself into .venv on first use. Needs only python3.11 (with venv) and make.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+EXAMPLE ?= examples/quickstart.yaml
+
+.PHONY: run validate test lint unit integration e2e bench crd clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[operator,worker,dev]'
+	touch $(STAMP)
+
+run: $(STAMP)  ## Run the example DDPJob on this machine
+	$(BIN)/ddpjob run $(EXAMPLE)
+
+validate: $(STAMP)
+	$(BIN)/ddpjob validate examples/*.yaml
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint  ## Everything that can run here: lint, types, layers, unit, integration (e2e skips itself without kind)
+	$(BIN)/python -m pytest -q
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+crd: $(STAMP)  ## Regenerate the CRD copies from the models
+	$(BIN)/ddpjob crd > deploy/crd.yaml
+	$(BIN)/ddpjob crd > charts/ddpjob/crds/ddpjob.io_ddpjobs.yaml
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_agent.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

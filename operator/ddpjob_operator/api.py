@@ -1,0 +1,495 @@
+"""The ``DDPJob`` API (``ddpjob.io/v1alpha1``) as frozen pydantic models.
+
+These models are the single source of truth: the CRD's openAPIV3Schema is generated from them
+(:mod:`ddpjob_operator.crd`), ``ddpjob validate`` and the operator parse with them, and the pure
+core reads them.
+
+Lifecycle of a job (``status.phase``)::
+
+    Pending ──► Running ◄──► Restarting
+       │           │              │
+       └──► Suspended ◄───────────┘      (spec.suspend; resuming goes back to Pending)
+                   │
+          Succeeded | Failed             (terminal)
+
+* ``Pending``: pods are being created and none is running yet.
+* ``Running``: at least ``minReplicas`` pods are running.
+* ``Restarting``: the job had been running and has fewer than ``minReplicas`` running pods
+  while failed pods are replaced.
+* ``Suspended``: ``spec.suspend`` is true; every pod is deleted, the budget is kept.
+* ``Succeeded``: every pod that was still part of the job terminated successfully.
+* ``Failed``: the backoff budget is spent, a permanent exit code was seen, the deadline passed,
+  or running pods stayed below ``minReplicas`` longer than the rendezvous join timeout.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Self
+
+import pydantic
+from pydantic import ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from ddpjob_operator import contract
+from ddpjob_operator.errors import FieldProblem, SpecError
+
+GROUP = "ddpjob.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DDPJob"
+PLURAL = "ddpjobs"
+SINGULAR = "ddpjob"
+SHORT_NAME = "ddpj"
+
+MAX_JOB_NAME = 40
+"""Pod names are ``<job>-worker-<index>`` and must be valid 63-character DNS labels."""
+
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_RECENT_FAILURES = 20
+
+
+class _Model(pydantic.BaseModel):
+    """Frozen, camelCase on the wire, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_enum_values=False,
+    )
+
+
+class _OpenModel(pydantic.BaseModel):
+    """A Kubernetes object we only partly model; other fields are kept as they are."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="allow",
+        frozen=True,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class RestartPolicy(enum.StrEnum):
+    """What happens when a pod fails.
+
+    * ``OnFailure``: replace the pod. Every failure except a disruption (preemption, eviction,
+      node loss, deletion, or the agent's graceful stop with exit code 143) is charged to
+      ``backoffLimit``.
+    * ``ExitCode``: exit codes 1-127 are permanent (the job fails at once); 128-255 (killed by a
+      signal) are retryable and charged to ``backoffLimit``, like ``OnFailure``. Disruptions are
+      replaced free of charge. Unlike Kubeflow's (trainer#2045), this honours ``backoffLimit``.
+    * ``Never``: the first failed pod fails the job, whatever its reason.
+    """
+
+    ON_FAILURE = "OnFailure"
+    EXIT_CODE = "ExitCode"
+    NEVER = "Never"
+
+
+class CleanPodPolicy(enum.StrEnum):
+    """Which pods are deleted when the job finishes.
+
+    ``Running`` (default): pods still running are deleted, finished ones are kept for their
+    logs. ``All``: every pod is deleted. ``None``: nothing is deleted.
+    """
+
+    RUNNING = "Running"
+    ALL = "All"
+    NONE = "None"
+
+
+class Rendezvous(_Model):
+    """The c10d rendezvous that pod 0 hosts. Timeouts are chosen for fast recovery.
+
+    torch's defaults (30 s last call, 5 s x 3 heartbeats) cost 46 s per lost node
+    (TORCHRUN-BASELINE.md). Ours detect a lost node in about 5 s.
+    """
+
+    port: Annotated[int, Field(ge=1, le=65535, description="TCP port of the c10d store on pod 0.")] = (
+        contract.DEFAULT_RDZV_PORT
+    )
+    join_timeout_seconds: Annotated[
+        int,
+        Field(
+            ge=1,
+            description=(
+                "How long a rendezvous round may take to gather minReplicas nodes. Also how long "
+                "the job may run below minReplicas before it fails."
+            ),
+        ),
+    ] = 600
+    last_call_seconds: Annotated[
+        int,
+        Field(ge=0, description="Extra wait for more nodes once minReplicas have joined a round."),
+    ] = 2
+    close_timeout_seconds: Annotated[int, Field(ge=1, description="How long closing a round may take.")] = 30
+    heartbeat_seconds: Annotated[
+        int, Field(ge=1, description="Interval between an agent's keep-alive heartbeats.")
+    ] = 1
+    heartbeat_miss_limit: Annotated[
+        int, Field(ge=1, description="Missed heartbeats after which a node counts as lost.")
+    ] = 5
+
+
+_ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+class EnvVar(_OpenModel):
+    name: Annotated[str, Field(min_length=1, pattern=_ENV_NAME_PATTERN)]
+    value: str | None = None
+
+
+class Container(_OpenModel):
+    """A core/v1 Container. Only the fields ddpjob reads are checked; the rest is kept."""
+
+    name: Annotated[
+        str,
+        Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"),
+    ]
+    image: Annotated[str, Field(min_length=1, description="The container image. Required.")]
+    command: list[str] | None = None
+    args: list[str] | None = None
+    env: list[EnvVar] | None = None
+
+
+class PodSpec(_OpenModel):
+    """A core/v1 PodSpec. The first container is the trainer."""
+
+    containers: Annotated[
+        list[Container],
+        Field(min_length=1, description="The first container is the trainer; others are sidecars."),
+    ]
+
+
+class TemplateMetadata(_Model):
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class PodTemplate(_Model):
+    """A core/v1 PodTemplateSpec."""
+
+    metadata: TemplateMetadata = TemplateMetadata()
+    spec: PodSpec
+
+
+NprocPerNode = int | Literal["auto"]
+
+
+class DDPJobSpec(_Model):
+    """What the user asks for. ``minReplicas <= replicas <= maxReplicas``."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": (
+                        "(has(self.minReplicas) ? self.minReplicas : self.replicas) <= self.replicas"
+                        " && self.replicas <= (has(self.maxReplicas) ? self.maxReplicas : self.replicas)"
+                    ),
+                    "message": "replicas must lie within minReplicas..maxReplicas",
+                    "fieldPath": ".replicas",
+                }
+            ]
+        }
+    )
+
+    replicas: Annotated[int, Field(ge=1, description="Pods to run now. `kubectl scale` sets it.")]
+    min_replicas: Annotated[
+        int | None,
+        Field(ge=1, description="Fewest pods training may continue with. Defaults to replicas."),
+    ] = None
+    max_replicas: Annotated[
+        int | None,
+        Field(ge=1, description="Most pods the job may scale to. Defaults to replicas."),
+    ] = None
+    nproc_per_node: Annotated[
+        NprocPerNode,
+        Field(
+            description="Worker processes per pod: an integer, or auto (= the GPUs the trainer requests, else 1).",
+            json_schema_extra={
+                "x-kubernetes-validations": [
+                    {
+                        "rule": "type(self) == int ? self >= 1 : self == 'auto'",
+                        "message": "nprocPerNode must be an integer >= 1 or 'auto'",
+                    }
+                ]
+            },
+        ),
+    ] = "auto"
+    rendezvous: Rendezvous = Rendezvous()
+    restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
+    max_restarts: Annotated[
+        int, Field(ge=0, description="Worker-group restarts the agent makes in a pod before the pod fails.")
+    ] = 3
+    backoff_limit: Annotated[
+        int, Field(ge=0, description="Failed pods replaced (charged ones only) before the job fails.")
+    ] = 6
+    active_deadline_seconds: Annotated[
+        int | None, Field(ge=1, description="The job fails when it has run this long.")
+    ] = None
+    ttl_seconds_after_finished: Annotated[
+        int | None, Field(ge=0, description="Delete the finished job after this long.")
+    ] = None
+    suspend: Annotated[bool, Field(description="Delete every pod and keep the job; false resumes.")] = False
+    clean_pod_policy: CleanPodPolicy = CleanPodPolicy.RUNNING
+    shm_size: Annotated[
+        str | None,
+        Field(
+            pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$",
+            description="Size of the memory-backed /dev/shm. Defaults to half the trainer's memory limit, else 1Gi.",
+        ),
+    ] = None
+    template: PodTemplate
+
+    @pydantic.model_validator(mode="after")
+    def _check_bounds(self) -> Self:
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and low > self.replicas:
+            raise ValueError(
+                f"minReplicas ({low}) must be <= replicas ({self.replicas}): "
+                f"lower minReplicas or raise replicas"
+            )
+        if high is not None and high < self.replicas:
+            raise ValueError(
+                f"maxReplicas ({high}) must be >= replicas ({self.replicas}): "
+                f"raise maxReplicas or lower replicas"
+            )
+        return self
+
+    @property
+    def effective_min(self) -> int:
+        return self.replicas if self.min_replicas is None else self.min_replicas
+
+    @property
+    def effective_max(self) -> int:
+        return self.replicas if self.max_replicas is None else self.max_replicas
+
+    @property
+    def trainer(self) -> Container:
+        return self.template.spec.containers[0]
+
+
+class JobPhase(enum.StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED)
+
+
+class ConditionType(enum.StrEnum):
+    CREATED = "Created"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class Condition(_Model):
+    """A Kubernetes-style condition. ``lastTransitionTime`` changes only when ``status`` does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: dt.datetime
+
+
+FAILURE_REASON_PATTERN = r"^(Preempted|Evicted|OOMKilled|NodeLost|Deleted|ExitCode\([0-9]+\))$"
+
+
+class PodFailure(_Model):
+    """One pod that ended badly, with a classified reason.
+
+    ``reason`` is one of ``Preempted``, ``Evicted``, ``OOMKilled``, ``NodeLost``, ``Deleted`` or
+    ``ExitCode(n)``. ``charged`` says whether it counted against ``backoffLimit``.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    pod: str
+    index: int
+    uid: str | None = None
+    reason: Annotated[str, Field(pattern=FAILURE_REASON_PATTERN)]
+    exit_code: int | None = None
+    message: str = ""
+    node: str | None = None
+    charged: bool
+    time: dt.datetime
+
+
+class DDPJobStatus(_Model):
+    """What the operator observed and decided. Written once per reconcile pass."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    phase: JobPhase = JobPhase.PENDING
+    conditions: list[Condition] = []
+    observed_generation: int | None = None
+    replicas: Annotated[int, Field(ge=0, description="Pods that are pending or running.")] = 0
+    ready_replicas: Annotated[int, Field(ge=0, description="Pods whose agent runs its workers.")] = 0
+    world_size: Annotated[int, Field(ge=0, description="Worker processes in the live world.")] = 0
+    restarts: Annotated[int, Field(ge=0, description="Pods replaced after a failure, all reasons.")] = 0
+    backoff_count: Annotated[int, Field(ge=0, description="Replacements charged to backoffLimit.")] = 0
+    selector: str | None = None
+    start_time: dt.datetime | None = None
+    completion_time: dt.datetime | None = None
+    below_min_since: dt.datetime | None = None
+    failures: Annotated[
+        list[PodFailure], Field(description=f"The {MAX_RECENT_FAILURES} most recent pod failures.")
+    ] = []
+
+
+class ObjectMeta(pydantic.BaseModel):
+    """The parts of metadata ddpjob reads; the rest is ignored."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_JOB_NAME, pattern=JOB_NAME_PATTERN)]
+    namespace: str = "default"
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] | None = None
+    creation_timestamp: dt.datetime | None = None
+    deletion_timestamp: dt.datetime | None = None
+
+
+class DDPJob(_Model):
+    """A DDPJob object as stored by the API server (or read from a local file)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["ddpjob.io/v1alpha1"]
+    kind: Literal["DDPJob"]
+    metadata: ObjectMeta
+    spec: DDPJobSpec
+    status: DDPJobStatus = DDPJobStatus()
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace
+
+
+# ---- parsing with errors a person can act on ---------------------------------------------------
+
+_HINTS = {
+    "metadata.name": (
+        f"use a lowercase DNS label of at most {MAX_JOB_NAME} characters, e.g. 'mnist-ddp' "
+        "(pod names are <name>-worker-<index>)"
+    ),
+    "spec.template.spec.containers": "give at least one container; the first one is the trainer",
+    "apiVersion": f"use apiVersion: {API_VERSION}",
+    "kind": f"use kind: {KIND}",
+}
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("int", "literal['auto']", "function-after[_check_bounds()]"):
+            continue  # pydantic's union-branch and validator tags, not field names
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _allowed_fields(root: type[pydantic.BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    model: type[pydantic.BaseModel] | None = root
+    for part in loc[:-1]:
+        if model is None or isinstance(part, int):
+            continue
+        field = next((f for f in model.model_fields.values() if f.alias == part), None)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+    if model is None:
+        return []
+    return sorted(f.alias or name for name, f in model.model_fields.items())
+
+
+def _model_of(annotation: Any) -> type[pydantic.BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _problem(error: Mapping[str, Any]) -> FieldProblem:
+    loc = tuple(error["loc"])
+    path = _path(loc)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        allowed = _allowed_fields(DDPJob, loc)
+        hint = f"; valid fields here: {', '.join(allowed)}" if allowed else ""
+        return FieldProblem(path, f"unknown field{hint}")
+    if kind == "missing":
+        return FieldProblem(path, "required field is missing" + _hint(path))
+    if path == "spec.nprocPerNode":
+        return FieldProblem(path, f"must be an integer >= 1 or 'auto' (got {error.get('input')!r})")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    given = error.get("input")
+    got = "" if isinstance(given, Mapping | list) else f" (got {given!r})"
+    return FieldProblem(path, f"{message}{got}{_hint(path)}")
+
+
+def _hint(path: str) -> str:
+    generic = re.sub(r"\[\d+\]", "", path)
+    hint = _HINTS.get(path) or _HINTS.get(generic)
+    return f": {hint}" if hint else ""
+
+
+def parse_job(document: object, source: str = "<input>") -> DDPJob:
+    """Validate a manifest (already parsed from YAML/JSON) into a :class:`DDPJob`.
+
+    Raises :class:`SpecError` listing every problem with its field path.
+    """
+    if not isinstance(document, Mapping):
+        raise SpecError(
+            source,
+            [FieldProblem("", f"expected a DDPJob mapping, got {type(document).__name__}")],
+        )
+    try:
+        return DDPJob.model_validate(document)
+    except pydantic.ValidationError as exc:
+        problems: list[FieldProblem] = []
+        for error in exc.errors():
+            problem = _problem(error)
+            if problem not in problems:
+                problems.append(problem)
+        raise SpecError(source, problems) from exc
+
+
+def job_selector(job_name: str) -> str:
+    return f"{LABEL_JOB}={job_name}"
+
+
+LABEL_JOB = "ddpjob.io/job-name"
+LABEL_INDEX = "ddpjob.io/replica-index"
+LABEL_ROLE = "ddpjob.io/role"

@@ -1,0 +1,274 @@
+"""Pure builders: a DDPJob in, complete Kubernetes objects (plain dicts) out. No I/O.
+
+Names are deterministic: the headless Service is named after the job, and pod ``i`` is
+``<job>-worker-<i>`` with ``hostname``/``subdomain`` set, so pod 0 (which hosts the c10d store)
+is reachable at ``<job>-worker-0.<job>.<namespace>.svc`` across replacements.
+
+What every pod gets unless the user set it already:
+
+* the env contract (:mod:`ddpjob_operator.contract`), so ``ddpjob-agent`` and plain ``torchrun``
+  join the same rendezvous;
+* a memory-backed ``/dev/shm`` sized from the trainer's memory (DataLoader workers crash with
+  the 64 MB default);
+* NCCL settings that fail fast instead of hanging;
+* a non-root, no-privilege-escalation security context;
+* ``restartPolicy: Never``: the agent restarts workers in place, the operator replaces pods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+from ddpjob_operator import api, contract
+
+JSON = dict[str, Any]
+
+CONTAINER_PORT_NAME = "rdzv"
+SHM_VOLUME = "dshm"
+STATE_VOLUME = "ddpjob-run"
+DEFAULT_SHM = "1Gi"
+DEFAULT_GRACE_SECONDS = 30
+GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
+
+NCCL_DEFAULTS: Mapping[str, str] = {
+    # Tear the process group down on a collective error or timeout, so the agent restarts the
+    # workers instead of them hanging (trainer#2000).
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # Never pick the loopback or docker bridge for inter-node traffic.
+    "NCCL_SOCKET_IFNAME": "^lo,docker",
+    "NCCL_DEBUG": "WARN",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """Where pods find each other. The cluster default uses the headless Service's DNS.
+
+    The local runner passes its own: every name maps to 127.0.0.1 and the port is one it
+    reserved, so that several jobs run side by side.
+    """
+
+    rdzv_host: str | None = None
+    rdzv_port: int | None = None
+    state_dir: str | None = None
+
+    def endpoint_host(self, job: api.DDPJob) -> str:
+        if self.rdzv_host is not None:
+            return self.rdzv_host
+        return f"{pod_name(job.name, 0)}.{service_name(job.name)}.{job.namespace}.svc"
+
+    def port(self, job: api.DDPJob) -> int:
+        return self.rdzv_port if self.rdzv_port is not None else job.spec.rendezvous.port
+
+    def state_file(self, job: api.DDPJob, index: int) -> str:
+        if self.state_dir is None:
+            return contract.DEFAULT_STATE_FILE
+        return f"{self.state_dir}/{pod_name(job.name, index)}.state.json"
+
+
+CLUSTER = Network()
+
+
+def service_name(job_name: str) -> str:
+    return job_name
+
+
+def pod_name(job_name: str, index: int) -> str:
+    return f"{job_name}-worker-{index}"
+
+
+def labels(job: api.DDPJob, index: int | None = None) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "ddpjob",
+        "app.kubernetes.io/instance": job.name,
+        "app.kubernetes.io/managed-by": "ddpjob-operator",
+        api.LABEL_JOB: job.name,
+    }
+    if index is not None:
+        out[api.LABEL_INDEX] = str(index)
+        out[api.LABEL_ROLE] = "master" if index == 0 else "worker"
+    return out
+
+
+def owner_references(job: api.DDPJob) -> list[JSON]:
+    if not job.metadata.uid:
+        return []
+    return [
+        {
+            "apiVersion": api.API_VERSION,
+            "kind": api.KIND,
+            "name": job.name,
+            "uid": job.metadata.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def _metadata(job: api.DDPJob, name: str, index: int | None, extra_labels: Mapping[str, str]) -> JSON:
+    meta: JSON = {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": {**extra_labels, **labels(job, index)},
+    }
+    owners = owner_references(job)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+def build_service(job: api.DDPJob) -> JSON:
+    """The headless Service that gives every pod a stable DNS name, ready or not."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, service_name(job.name), None, {}),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # pod 0 must resolve before it is ready
+            "selector": {api.LABEL_JOB: job.name},
+            "ports": [
+                {
+                    "name": CONTAINER_PORT_NAME,
+                    "port": job.spec.rendezvous.port,
+                    "targetPort": job.spec.rendezvous.port,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def gpus_requested(container: Mapping[str, Any]) -> int:
+    resources = container.get("resources") or {}
+    for section in ("limits", "requests"):
+        for name in GPU_RESOURCES:
+            value = (resources.get(section) or {}).get(name)
+            if value is not None:
+                return int(parse_quantity(value))
+    return 0
+
+
+def nproc_per_node(spec: api.DDPJobSpec) -> int:
+    if spec.nproc_per_node != "auto":
+        return spec.nproc_per_node
+    return max(1, gpus_requested(spec.trainer.model_dump(by_alias=True)))
+
+
+def shm_size(spec: api.DDPJobSpec) -> str:
+    """``spec.shmSize``, else half the trainer's memory limit (or request), else 1Gi."""
+    if spec.shm_size is not None:
+        return spec.shm_size
+    resources = spec.trainer.model_dump(by_alias=True).get("resources") or {}
+    for section in ("limits", "requests"):
+        memory = (resources.get(section) or {}).get("memory")
+        if memory is not None:
+            half = parse_quantity(memory) / 2
+            return f"{int(half.to_integral_value(rounding=decimal.ROUND_FLOOR)) // 2**20}Mi"
+    return DEFAULT_SHM
+
+
+def agent_contract(job: api.DDPJob, index: int, network: Network = CLUSTER) -> contract.AgentContract:
+    spec = job.spec
+    rdzv = spec.rendezvous
+    grace = spec.template.spec.model_dump(by_alias=True).get(
+        "terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS
+    )
+    return contract.AgentContract(
+        job_name=job.name,
+        run_id=job.metadata.uid or job.name,
+        pod_index=index,
+        endpoint_host=network.endpoint_host(job),
+        port=network.port(job),
+        min_nodes=spec.effective_min,
+        max_nodes=spec.effective_max,
+        nproc_per_node=nproc_per_node(spec),
+        max_restarts=spec.max_restarts,
+        join_timeout=rdzv.join_timeout_seconds,
+        last_call_timeout=rdzv.last_call_seconds,
+        close_timeout=rdzv.close_timeout_seconds,
+        keep_alive_interval=rdzv.heartbeat_seconds,
+        keep_alive_max_attempt=rdzv.heartbeat_miss_limit,
+        # Leave the agent a few seconds of the pod's grace period to report and exit.
+        grace_seconds=max(1, int(grace) - 5),
+        state_file=network.state_file(job, index),
+    )
+
+
+def _env(user_env: list[JSON], job: api.DDPJob, index: int, network: Network) -> list[JSON]:
+    """User env first and untouched; our defaults only for names the user did not set."""
+    taken = {item["name"] for item in user_env}
+    ours: list[JSON] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": contract.PET_LOCAL_ADDR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    ours += [{"name": k, "value": v} for k, v in agent_env_for(job, index, network).items()]
+    ours += [{"name": k, "value": v} for k, v in NCCL_DEFAULTS.items()]
+    return user_env + [item for item in ours if item["name"] not in taken]
+
+
+def agent_env_for(job: api.DDPJob, index: int, network: Network = CLUSTER) -> dict[str, str]:
+    return contract.agent_env(agent_contract(job, index, network))
+
+
+def _trainer(container: JSON, job: api.DDPJob, index: int, network: Network) -> JSON:
+    out = dict(container)
+    out["env"] = _env(list(container.get("env") or []), job, index, network)
+    mounts = list(container.get("volumeMounts") or [])
+    mounted = {m.get("mountPath") for m in mounts}
+    if "/dev/shm" not in mounted:
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    if contract.DEFAULT_STATE_DIR not in mounted:
+        mounts.append({"name": STATE_VOLUME, "mountPath": contract.DEFAULT_STATE_DIR})
+    out["volumeMounts"] = mounts
+    ports = list(container.get("ports") or [])
+    if not any(p.get("containerPort") == job.spec.rendezvous.port for p in ports):
+        ports.append(
+            {"name": CONTAINER_PORT_NAME, "containerPort": job.spec.rendezvous.port, "protocol": "TCP"}
+        )
+    out["ports"] = ports
+    security = dict(out.get("securityContext") or {})
+    security.setdefault("allowPrivilegeEscalation", False)
+    security.setdefault("capabilities", {"drop": ["ALL"]})
+    out["securityContext"] = security
+    command = out.get("command") or []
+    if "readinessProbe" not in out and command[:1] == ["ddpjob-agent"]:
+        out["readinessProbe"] = {
+            "exec": {"command": ["python", "-m", "ddpjob_worker.probe"]},
+            "periodSeconds": 5,
+            "failureThreshold": 1,
+        }
+    return out
+
+
+def build_pod(job: api.DDPJob, index: int, network: Network = CLUSTER) -> JSON:
+    """Pod ``index`` of the job, complete. Pod 0 hosts the c10d store."""
+    template = job.spec.template
+    spec: JSON = template.spec.model_dump(by_alias=True, exclude_none=True)
+    containers = spec["containers"]
+    spec["containers"] = [_trainer(containers[0], job, index, network), *containers[1:]]
+    volumes = list(spec.get("volumes") or [])
+    names = {v.get("name") for v in volumes}
+    if SHM_VOLUME not in names:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(job.spec)}})
+    if STATE_VOLUME not in names:
+        volumes.append({"name": STATE_VOLUME, "emptyDir": {"sizeLimit": "16Mi"}})
+    spec["volumes"] = volumes
+    spec["restartPolicy"] = "Never"
+    spec["hostname"] = pod_name(job.name, index)
+    spec["subdomain"] = service_name(job.name)
+    spec.setdefault("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
+    security = dict(spec.get("securityContext") or {})
+    security.setdefault("runAsNonRoot", True)
+    security.setdefault("seccompProfile", {"type": "RuntimeDefault"})
+    spec["securityContext"] = security
+    meta = _metadata(job, pod_name(job.name, index), index, template.metadata.labels or {})
+    if template.metadata.annotations:
+        meta["annotations"] = dict(template.metadata.annotations)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
