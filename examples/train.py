@@ -1,0 +1,130 @@
+"""A small real DDP training job: an MLP on seeded synthetic data, on CPU with gloo (or GPU).
+
+Run it under ``ddpjob-agent`` (or torchrun), or alone. It resumes from the latest checkpoint and
+prints parseable, flushed lines that the tests and the benchmark read::
+
+    DDPJOB resume step=<s> rank=<r> world=<w> restart=<TORCHELASTIC_RESTART_COUNT>
+    DDPJOB step=<s> rank=<r> world=<w> loss=<f>
+    DDPJOB ckpt step=<s>
+    DDPJOB sigterm rank=<r>
+    DDPJOB done steps=<n> rank=<r>
+
+``step=<s>`` in a ``ckpt`` or ``resume`` line is the number of steps completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ddpjob_worker import init_distributed
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+CKPT_NAME = "latest.pt"
+FEATURES = 32
+BATCH = 64
+
+
+def say(line: str) -> None:
+    print(f"DDPJOB {line}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=100, help="total steps")
+    parser.add_argument(
+        "--ckpt-dir",
+        default=os.environ.get("DDPJOB_CKPT_DIR", "./ckpt"),
+        help="checkpoint directory (default: $DDPJOB_CKPT_DIR or ./ckpt)",
+    )
+    parser.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="sleep per step (s)")
+    parser.add_argument(
+        "--crash-always", action="store_true", help="exit 1 at step 0 on every rank"
+    )
+    return parser.parse_args(argv)
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic per (step, rank), so a resumed run sees the same data."""
+    gen = torch.Generator().manual_seed(step * 100_003 + rank)
+    x = torch.randn(BATCH, FEATURES, generator=gen)
+    y = x[:, :4].sum(dim=1, keepdim=True)
+    return x, y
+
+
+def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    if not path.exists():
+        return 0
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    say(f"ckpt step={step}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    rank_hint = os.environ.get("RANK", "0")
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        say(f"sigterm rank={rank_hint}")
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    info = init_distributed()
+    rank, world = info.rank, info.world_size
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    model = build_model().to(info.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ckpt = Path(args.ckpt_dir) / CKPT_NAME
+    start = load(ckpt, model, optimizer)
+    ddp = DistributedDataParallel(model)
+    say(f"resume step={start} rank={rank} world={world} restart={restart}")
+    if args.crash_always:
+        print(f"rank {rank}: --crash-always", file=sys.stderr, flush=True)
+        return 1
+    loss_fn = nn.MSELoss()
+    for step in range(start, args.steps):
+        x, y = batch(step, rank)
+        optimizer.zero_grad()
+        loss = loss_fn(ddp(x.to(info.device)), y.to(info.device))
+        loss.backward()
+        optimizer.step()
+        say(f"step={step} rank={rank} world={world} loss={loss.item():.6f}")
+        done = step + 1
+        if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):
+            save(ckpt, model, optimizer, done)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    dist.barrier()
+    say(f"done steps={args.steps} rank={rank}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""``ddpjob-agent`` with real torch processes: gloo on CPU, every node on 127.0.0.1.
+
+Each test starts agents as separate "nodes" (see ``conftest.py``), drives a failure, waits on the
+training script's own log lines and on exit codes with bounded polling, and checks that nothing
+outlived it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+from ddpjob_operator.contract import EXIT_STOPPED_BY_SIGNAL
+from ddpjob_worker.errors import EXIT_ENDPOINT_UNREACHABLE
+from ddpjob_worker.harness import CKPT_RE, Cluster, Node, wait_until
+from ddpjob_worker.state import Phase
+
+pytestmark = pytest.mark.slow
+
+MakeCluster = Callable[..., Cluster]
+
+
+def train_args(steps: int, *, sleep: float = 0.1, every: int = 5) -> list[str]:
+    return ["--steps", str(steps), "--ckpt-every", str(every), "--step-sleep", str(sleep)]
+
+
+def reached(node: Node, step: int, world: int | None = None) -> Callable[[], bool]:
+    def check() -> bool:
+        return any(s >= step and (world is None or w == world) for s, _, w in node.steps())
+
+    return check
+
+
+def finish_ok(cluster: Cluster, nodes: list[Node], timeout: float) -> None:
+    for node in nodes:
+        code = node.wait_exit(timeout)
+        assert code == 0, f"node {node.index} exited {code}\n{cluster.logs()}"
+    cluster.assert_clean()
+
+
+def test_worker_sigkill_restarts_within_budget_from_last_checkpoint(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(min_nodes=2, max_nodes=2)
+    nodes = [cluster.start(i, train_args(40)) for i in range(2)]
+    wait_until("step 12 on node 1", reached(nodes[1], 12), 60)
+    workers = nodes[1].worker_pids()
+    assert len(workers) == 1, workers
+    os.kill(workers[0], signal.SIGKILL)
+    finish_ok(cluster, nodes, 90)
+
+    resumes = nodes[1].resumes()
+    assert len(resumes) == 2, cluster.logs()
+    assert resumes[1][3] == 1, "TORCHELASTIC_RESTART_COUNT after one charged restart"
+    # The node that held rank 0 before the kill wrote the checkpoints: the new round resumes
+    # from the last one it printed before its second resume line.
+    rank0 = next(n for n in nodes if n.resumes()[0][1] == 0)
+    lines = rank0.lines()
+    second_resume = [i for i, line in enumerate(lines) if line.startswith("DDPJOB resume")][1]
+    saved = [int(m[1]) for line in lines[:second_resume] if (m := CKPT_RE.match(line))]
+    assert saved, cluster.logs()
+    assert resumes[1][0] == max(saved), (resumes, saved)
+    state = nodes[1].state()
+    assert state.phase is Phase.SUCCEEDED
+    assert state.restart_count == 1
+    assert state.last_failure is not None
+    assert state.last_failure.exit_code == -signal.SIGKILL
+
+
+def test_losing_a_non_master_node_shrinks_the_world_without_charging(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(min_nodes=2, max_nodes=3)
+    nodes = [cluster.start(i, train_args(60)) for i in range(3)]
+    for node in nodes:
+        wait_until(f"world 3 on node {node.index}", reached(node, 8, world=3), 90)
+    nodes[2].kill_node()
+    survivors = nodes[:2]
+    for node in survivors:
+        wait_until(f"world 2 on node {node.index}", reached(node, 20, world=2), 90)
+    finish_ok(cluster, survivors, 120)
+    for node in survivors:
+        assert node.pid == node.proc.pid
+        state = node.state()
+        assert state.phase is Phase.SUCCEEDED
+        assert state.restart_count == 0, state
+        assert state.membership_restarts >= 1, state
+        assert state.world_size == 2
+
+
+def test_adding_a_node_grows_the_world(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(min_nodes=2, max_nodes=3)
+    nodes = [cluster.start(i, train_args(60)) for i in range(2)]
+    for node in nodes:
+        wait_until(f"world 2 on node {node.index}", reached(node, 5, world=2), 90)
+    nodes.append(cluster.start(2, train_args(60)))
+    for node in nodes:
+        wait_until(f"world 3 on node {node.index}", reached(node, 0, world=3), 90)
+    finish_ok(cluster, nodes, 120)
+    for node in nodes[:2]:
+        state = node.state()
+        assert state.restart_count == 0, state
+        assert state.world_size == 3
+
+
+def _kill_and_restart_master(cluster: Cluster, nodes: list[Node], args: list[str]) -> Node:
+    for node in nodes:
+        wait_until(f"step 10 on node {node.index}", reached(node, 10, world=3), 90)
+    nodes[0].kill_node()
+    return cluster.start(0, args)
+
+
+def test_losing_the_master_costs_only_a_rejoin(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(min_nodes=2, max_nodes=3)
+    args = train_args(60)
+    nodes = [cluster.start(i, args) for i in range(3)]
+    pids = [node.pid for node in nodes[1:]]
+    master = _kill_and_restart_master(cluster, nodes, args)
+    survivors = nodes[1:]
+    everyone = [master, *survivors]
+    for node in everyone:
+        wait_until(f"step 20 on node {node.index}", reached(node, 20), 120)
+    finish_ok(cluster, everyone, 120)
+    assert [node.pid for node in survivors] == pids
+    for node in survivors:
+        state = node.state()
+        assert state.phase is Phase.SUCCEEDED
+        assert state.store_recoveries >= 1, state
+        assert state.restart_count == 0, state
+        # Resumed from a checkpoint, not from scratch.
+        assert node.resumes()[-1][0] > 0, node.resumes()
+
+
+def test_stock_torchrun_survivors_exit_when_the_master_is_lost(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(min_nodes=2, max_nodes=3)
+    args = train_args(200)
+    nodes = [cluster.start(i, args, stock=True) for i in range(3)]
+    _kill_and_restart_master(cluster, nodes, args)
+    for node in nodes[1:]:
+        code = node.wait_exit(60)
+        assert code != 0
+        assert "RendezvousConnectionError" in node.text()
+    cluster.kill_all()
+    cluster.assert_clean()
+
+
+def test_sigterm_forwards_to_workers_and_exits_143(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(min_nodes=2, max_nodes=2)
+    nodes = [cluster.start(i, train_args(400)) for i in range(2)]
+    for node in nodes:
+        wait_until(f"step 3 on node {node.index}", reached(node, 3), 60)
+    for node in nodes:
+        os.kill(node.pid, signal.SIGTERM)
+    for node in nodes:
+        assert node.wait_exit(30) == EXIT_STOPPED_BY_SIGNAL, cluster.logs()
+        rank = node.resumes()[-1][1]
+        assert f"DDPJOB sigterm rank={rank}" in node.text()
+        assert node.state().phase is Phase.STOPPED
+    cluster.assert_clean()
+
+
+def test_unreachable_endpoint_fails_fast_with_a_clear_message(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(min_nodes=2, max_nodes=2, join_timeout=3)
+    started = time.monotonic()
+    node = cluster.start(1, train_args(5))  # no node 0: nobody hosts the store
+    code = node.wait_exit(30)
+    elapsed = time.monotonic() - started
+    assert code == EXIT_ENDPOINT_UNREACHABLE, node.text()
+    text = node.text()
+    assert f"127.0.0.1:{cluster.port} is unreachable" in text
+    assert "join timeout 3s" in text
+    assert "Connection refused" in text
+    assert elapsed < 20
+    state = node.state()
+    assert state.phase is Phase.FAILED
+    assert state.last_failure is not None
+    assert state.last_failure.exit_code == EXIT_ENDPOINT_UNREACHABLE
+    cluster.assert_clean()

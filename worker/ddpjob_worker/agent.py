@@ -1,0 +1,402 @@
+"""The elastic agent: torch's ``LocalElasticAgent`` plus our recovery policy.
+
+What we change in torch's ``SimpleElasticAgent._invoke_run`` loop (the decisions themselves are
+pure functions in :mod:`ddpjob_worker.policy`):
+
+* A membership change never uses up the restart budget. torch already restarts for free when a
+  node waits to join; we also refund a charged restart when the next round has fewer nodes (a
+  peer left, and our workers only failed because of it), and restart for free when the store
+  host is lost.
+* Losing the store host costs a rejoin, not the job. When the c10d store stops answering, we
+  stop our workers, wait for the endpoint to come back (bounded by the join timeout), build a
+  fresh rendezvous handler (the old TCPStore client is dead) and join a new round. torch raises
+  ``RendezvousConnectionError`` and exits.
+* Every transition is written to the state file (:mod:`ddpjob_worker.state`).
+
+Everything else (starting workers, their env, error files, signal forwarding on shutdown) is
+torch's own code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig
+
+from ddpjob_worker.endpoint import wait_for_endpoint
+from ddpjob_worker.errors import EndpointUnreachableError
+from ddpjob_worker.policy import (
+    Action,
+    Budget,
+    Settings,
+    WorkerStatus,
+    decide,
+    is_membership_change,
+    split_endpoint,
+)
+from ddpjob_worker.state import Failure, Phase, StateWriter
+
+logger = logging.getLogger("ddpjob_worker.agent")
+
+_STATUS = {
+    WorkerState.HEALTHY: WorkerStatus.HEALTHY,
+    WorkerState.SUCCEEDED: WorkerStatus.SUCCEEDED,
+    WorkerState.FAILED: WorkerStatus.FAILED,
+    WorkerState.UNHEALTHY: WorkerStatus.FAILED,
+}
+
+
+class DdpjobAgent(LocalElasticAgent):
+    """``LocalElasticAgent`` that survives losing the store host and refunds membership changes."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        config: LaunchConfig,
+        params: RendezvousParameters,
+        settings: Settings,
+        state: StateWriter,
+        heartbeat_seconds: float,
+    ) -> None:
+        if config.logs_specs is None:
+            raise ValueError("LaunchConfig.logs_specs must be set (LaunchConfig sets a default)")
+        super().__init__(
+            spec=spec,
+            logs_specs=config.logs_specs,
+            start_method=config.start_method,
+            log_line_prefix_template=config.log_line_prefix_template,
+            shutdown_timeout=int(settings.grace_seconds),
+        )
+        self._params = params
+        self._settings = settings
+        self._state = state
+        self._heartbeat_seconds = heartbeat_seconds
+        self._budget = Budget(spec.max_restarts)
+        self._previous_nodes: int | None = None
+        self._charge_pending = False
+        self._store_lost = False
+        self._store_recoveries = 0
+        self._rounds = 0
+
+    # -- the monitor loop -------------------------------------------------------------------
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        group = self._worker_group
+        spec = group.spec
+        self._initialize_workers(group)
+        self._state.update(phase=Phase.RUNNING)
+        last_write = time.monotonic()
+        while True:
+            time.sleep(spec.monitor_interval)
+            result: RunResult = self._monitor_workers(group)
+            group.state = result.state
+            status = _STATUS.get(result.state)
+            if status is None:
+                raise RuntimeError(f"[{role}] worker group in unexpected state {result.state.name}")
+            nodes_waiting, store_lost = 0, False
+            if status is not WorkerStatus.SUCCEEDED:
+                nodes_waiting, store_lost = self._poll_rendezvous()
+            action = decide(
+                status,
+                remaining_restarts=self._budget.remaining,
+                nodes_waiting=nodes_waiting,
+                store_lost=store_lost,
+            )
+            if action is Action.CONTINUE:
+                if time.monotonic() - last_write >= self._heartbeat_seconds:
+                    self._state.update()
+                    last_write = time.monotonic()
+                continue
+            if action is Action.FINISH:
+                self._state.update(phase=Phase.SUCCEEDED)
+                self._exit_barrier()  # type: ignore[no-untyped-call]
+                return result
+            if status is WorkerStatus.FAILED:
+                self._state.update(last_failure=_describe_failure(result))
+            if action is Action.GIVE_UP:
+                logger.error(
+                    "[%s] workers failed and the restart budget (%d) is used up",
+                    role,
+                    self._budget.max_restarts,
+                )
+                self._stop_workers(group)
+                group.state = WorkerState.FAILED
+                self._state.update(phase=Phase.FAILED)
+                return result
+            if action is Action.RESTART_CHARGED:
+                self._budget = self._budget.charge()
+                self._charge_pending = True
+            else:
+                self._budget = self._budget.free_restart()
+                self._store_lost = self._store_lost or store_lost
+            logger.info(
+                "[%s] %s: restarting workers (%s; nodes waiting %d; store lost %s; %d/%d "
+                "restarts left)",
+                role,
+                status.value,
+                action.value,
+                nodes_waiting,
+                store_lost,
+                self._budget.remaining,
+                self._budget.max_restarts,
+            )
+            self._sync_budget(phase=Phase.RECOVERING)
+            self._restart_workers(group)
+            self._state.update(phase=Phase.RUNNING)
+            last_write = time.monotonic()
+
+    def _poll_rendezvous(self) -> tuple[int, bool]:
+        """``(nodes waiting to join, store lost)``, from one look at the rendezvous store."""
+        try:
+            return self._worker_group.spec.rdzv_handler.num_nodes_waiting(), False
+        except RendezvousConnectionError as exc:
+            if self._settings.is_host:
+                raise  # we host the store; if it fails, nothing to wait for
+            logger.warning("lost the rendezvous store: %s", exc)
+            return 0, True
+
+    # -- rendezvous with store recovery ----------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._state.update(phase=Phase.RENDEZVOUS)
+        recovered = False
+        deadline: float | None = None
+        while True:
+            if self._store_lost:
+                if deadline is None:
+                    deadline = time.monotonic() + self._settings.join_timeout
+                self._recover_store(deadline)
+                recovered = True
+                self._store_lost = False
+                self._state.update(phase=Phase.RENDEZVOUS)
+            try:
+                super()._rendezvous(worker_group)
+                break
+            except RendezvousConnectionError as exc:
+                if self._settings.is_host:
+                    raise
+                logger.warning("rendezvous store unreachable while joining: %s", exc)
+                self._store_lost = True
+        new_nodes = worker_group.group_world_size
+        if new_nodes is None:
+            raise RuntimeError("rendezvous completed without a world size")
+        if self._charge_pending and is_membership_change(
+            previous_nodes=self._previous_nodes,
+            new_nodes=new_nodes,
+            store_recovered=recovered,
+        ):
+            logger.info(
+                "refunding the last restart: a membership change (nodes %s -> %s, store "
+                "recovered %s)",
+                self._previous_nodes,
+                new_nodes,
+                recovered,
+            )
+            self._budget = self._budget.refund()
+        self._charge_pending = False
+        self._previous_nodes = new_nodes
+        self._rounds += 1
+        local = [w.global_rank for w in worker_group.workers]
+        self._sync_budget(
+            rdzv_round=self._rounds,
+            num_nodes=new_nodes,
+            node_rank=worker_group.group_rank,
+            world_size=worker_group.workers[0].world_size if worker_group.workers else None,
+            group_rank_start=min(local) if local else None,
+            group_rank_end=max(local) + 1 if local else None,
+        )
+
+    def _recover_store(self, deadline: float) -> None:
+        """Wait for the store host to come back, then replace the dead rendezvous handler."""
+        self._state.update(phase=Phase.RECOVERING)
+        spec = self._worker_group.spec
+        _stop_heartbeats(spec.rdzv_handler)
+        host, port = split_endpoint(self._params.endpoint)
+        logger.warning("waiting for the rendezvous store at %s:%d to come back", host, port)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EndpointUnreachableError(
+                    f"the rendezvous store at {host}:{port} did not come back within the join "
+                    f"timeout ({self._settings.join_timeout:g}s)"
+                )
+            wait_for_endpoint(host, port, remaining)
+            try:
+                handler = rdzv_registry.get_rendezvous_handler(self._params)
+                break
+            except RendezvousConnectionError as exc:
+                logger.warning("store at %s:%d not ready yet: %s", host, port, exc)
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        spec.rdzv_handler = handler
+        self._rdzv_handler = handler
+        self._store_recoveries += 1
+        self._state.update(store_recoveries=self._store_recoveries)
+        logger.info("rejoining with a fresh rendezvous handler (recovery %d)",
+                    self._store_recoveries)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _sync_budget(self, **changes: Any) -> None:
+        """Mirror the budget into torch's counter (TORCHELASTIC_RESTART_COUNT) and the state."""
+        self._remaining_restarts = self._budget.remaining
+        self._state.update(
+            restart_count=self._budget.restart_count,
+            membership_restarts=self._budget.membership_restarts,
+            **changes,
+        )
+
+    @property
+    def budget(self) -> Budget:
+        return self._budget
+
+
+def _stop_heartbeats(handler: RendezvousHandler) -> None:
+    """Stop a dead handler's keep-alive thread (torch has no public API for it)."""
+    stop: Callable[[], None] | None = getattr(handler, "_stop_heartbeats", None)
+    if stop is not None:
+        try:
+            stop()
+        except Exception:  # best effort on a handler we are discarding
+            logger.debug("could not stop the old handler's heartbeats", exc_info=True)
+
+
+def _describe_failure(result: RunResult) -> Failure:
+    if not result.failures:
+        return Failure(reason="workers unhealthy", at=time.time())
+    rank, first = min(result.failures.items(), key=lambda item: item[1].timestamp)
+    message = first.message if isinstance(first.message, str) else str(first.message)
+    return Failure(
+        reason=message or first.signal_name() or "worker failed",
+        exit_code=first.exitcode,
+        rank=rank,
+        at=time.time(),
+    )
+
+
+def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[str]) -> str:
+    if callable(entrypoint):
+        return getattr(entrypoint, "__name__", "entrypoint")
+    if entrypoint == sys.executable:
+        return next((arg for arg in args if not arg.startswith("-")), "")
+    return entrypoint
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: list[str],
+    *,
+    settings: Settings,
+    state: StateWriter,
+    heartbeat_seconds: float,
+) -> dict[int, Any]:
+    """torch's ``launch_agent``, with our agent, the endpoint wait and the state file.
+
+    Raises ``ChildFailedError`` when the workers fail for good (torchrun's behaviour), and
+    :class:`EndpointUnreachableError` when the store never comes up.
+    """
+    rdzv_configs = dict(config.rdzv_configs)
+    if settings.is_host is not None and config.rdzv_backend == "c10d":
+        rdzv_configs["is_host"] = "true" if settings.is_host else "false"
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **rdzv_configs,
+    )
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    handler = _first_handler(params, settings, state)
+    master_addr, master_port = None, None
+    if config.rdzv_backend == "static":
+        master_addr, master_port = split_endpoint(config.rdzv_endpoint, default_port=-1)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = DdpjobAgent(
+        spec,
+        config=config,
+        params=params,
+        settings=settings,
+        state=state,
+        heartbeat_seconds=heartbeat_seconds,
+    )
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(
+                name=_entrypoint_name(entrypoint, args), failures=result.failures
+            )
+        return dict(result.return_values)
+    except SignalException:
+        # As torch: a signalled agent must not close the rendezvous for the others.
+        shutdown_rdzv = False
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+
+
+def _first_handler(
+    params: RendezvousParameters, settings: Settings, state: StateWriter
+) -> RendezvousHandler:
+    """Wait for the endpoint (unless we host it), then create the rendezvous handler."""
+    if params.backend != "c10d" or settings.is_host or not params.endpoint:
+        return rdzv_registry.get_rendezvous_handler(params)
+    host, port = split_endpoint(params.endpoint)
+    deadline = time.monotonic() + settings.join_timeout
+    state.update(phase=Phase.WAITING)
+    while True:
+        remaining = deadline - time.monotonic()
+        probe = wait_for_endpoint(host, port, max(0.0, remaining))
+        if probe.attempts > 1:
+            logger.info("rendezvous endpoint %s:%d is up after %d tries",
+                        host, port, probe.attempts)
+        try:
+            return rdzv_registry.get_rendezvous_handler(params)
+        except RendezvousConnectionError as exc:
+            if deadline - time.monotonic() <= 0:
+                raise EndpointUnreachableError(
+                    f"rendezvous endpoint {host}:{port} accepts connections but its store did "
+                    f"not answer within the join timeout ({settings.join_timeout:g}s): {exc}"
+                ) from exc
+            time.sleep(0.2)

@@ -1,0 +1,80 @@
+"""Wait until the rendezvous endpoint resolves (DNS) and accepts TCP connections.
+
+Kubernetes publishes a pod's DNS record only after the pod is running, so a worker pod can start
+before the store host's name resolves (pytorch#73682, torchx#541). torch gives up on the first
+failed lookup; we retry with capped exponential backoff up to the join timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from collections.abc import Callable
+
+from ddpjob_worker.errors import EndpointUnreachableError
+from ddpjob_worker.policy import next_delay
+
+
+@dataclasses.dataclass
+class Probe:
+    """The outcome of one connection attempt, for the error message."""
+
+    attempts: int = 0
+    last_error: str = "no attempt made"
+
+
+def try_connect(host: str, port: int, timeout: float) -> str | None:
+    """One attempt: resolve ``host`` and open a TCP connection. None on success, else why not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"DNS lookup of {host!r} failed: {exc.strerror or exc}"
+    errors: list[str] = []
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(timeout)
+                sock.connect(address)
+                return None
+        except OSError as exc:
+            errors.append(f"{address[0]!r}:{address[1]!r}: {exc.strerror or exc}")
+    return "TCP connect failed: " + "; ".join(errors)
+
+
+def wait_for_endpoint(
+    host: str,
+    port: int,
+    timeout: float,
+    *,
+    connect: Callable[[str, int, float], str | None] = try_connect,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    on_retry: Callable[[Probe], None] | None = None,
+) -> Probe:
+    """Block until ``host:port`` accepts a TCP connection, or raise after ``timeout`` seconds.
+
+    Raises :class:`EndpointUnreachableError` naming the endpoint, the last error, the number of
+    attempts and the time spent.
+    """
+    start = clock()
+    deadline = start + timeout
+    probe = Probe()
+    while True:
+        remaining = deadline - clock()
+        error = connect(host, port, max(0.05, min(2.0, remaining)))
+        probe.attempts += 1
+        if error is None:
+            return probe
+        probe.last_error = error
+        remaining = deadline - clock()
+        if remaining <= 0:
+            raise EndpointUnreachableError(
+                f"rendezvous endpoint {host}:{port} is unreachable: tried {probe.attempts} "
+                f"times over {clock() - start:.1f}s (join timeout {timeout:g}s); "
+                f"last error: {probe.last_error}. Check that the store host (pod 0) is running "
+                f"and that its Service/DNS name is right."
+            )
+        if on_retry is not None:
+            on_retry(probe)
+        sleep(min(next_delay(probe.attempts - 1), remaining))

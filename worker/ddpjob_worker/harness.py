@@ -1,0 +1,274 @@
+"""Run ``ddpjob-agent`` (or stock torchrun) as local "nodes" on 127.0.0.1: tests and benchmarks.
+
+Each node is one agent process in its own session (``start_new_session=True``), configured with
+the env contract (``agent_env``) exactly as the operator configures a pod. Every process a test
+starts carries a unique ``DDPJOB_TEST_TAG`` in its environment (torch copies the agent's env
+into the workers), so teardown can find and kill everything, and tests can check that nothing
+outlived them by scanning ``/proc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from ddpjob_operator.contract import AgentContract, agent_env
+
+from ddpjob_worker.state import AgentState, read_state
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train.py"
+"""The example script, when running from a checkout (tests, bench)."""
+TAG_ENV = "DDPJOB_TEST_TAG"
+
+STEP_RE = re.compile(r"^DDPJOB step=(\d+) rank=(\d+) world=(\d+) loss=")
+RESUME_RE = re.compile(r"^DDPJOB resume step=(\d+) rank=(\d+) world=(\d+) restart=(\d+)")
+CKPT_RE = re.compile(r"^DDPJOB ckpt step=(\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until(
+    what: str, predicate: Callable[[], bool], timeout: float, interval: float = 0.1
+) -> None:
+    """Poll ``predicate`` until true; fail the test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    if predicate():
+        return
+    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name may contain spaces and parens: split after the last ')'.
+        fields = stat.rsplit(")", 1)[1].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    tree = _children_map()
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries ``DDPJOB_TEST_TAG=tag``."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+@dataclasses.dataclass
+class Node:
+    """One agent process (a "pod")."""
+
+    index: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    state_file: Path
+    started: float
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def lines(self) -> list[str]:
+        return self.text().splitlines()
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        """``(step, rank, world)`` of every step line, in order."""
+        out = []
+        for line in self.lines():
+            match = STEP_RE.match(line)
+            if match:
+                out.append((int(match[1]), int(match[2]), int(match[3])))
+        return out
+
+    def resumes(self) -> list[tuple[int, int, int, int]]:
+        """``(step, rank, world, restart)`` of every resume line, in order."""
+        out = []
+        for line in self.lines():
+            match = RESUME_RE.match(line)
+            if match:
+                out.append((int(match[1]), int(match[2]), int(match[3]), int(match[4])))
+        return out
+
+    def state(self) -> AgentState:
+        return read_state(self.state_file)
+
+    def worker_pids(self) -> list[int]:
+        return [pid for pid in descendants(self.pid) if pid != self.pid]
+
+    def kill_node(self) -> None:
+        """SIGKILL the whole "pod": the agent's process group and every descendant.
+
+        torch starts each worker in its own session, so killing the agent's group alone would
+        leave its workers running; a Kubernetes pod kill takes them all down together.
+        """
+        victims = [self.pid, *descendants(self.pid)]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for pid in victims:
+            _kill(pid)
+        self.proc.wait(timeout=10)
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"node {self.index} (pid {self.pid}) still running after {timeout:g}s; "
+                f"log tail:\n{self.text()[-3000:]}"
+            ) from None
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+
+class Cluster:
+    """Starts nodes for one test and cleans up everything they started."""
+
+    def __init__(self, tmp: Path, *, min_nodes: int, max_nodes: int, **timing: int) -> None:
+        self.tmp = tmp
+        self.tag = uuid.uuid4().hex
+        self.port = free_port()
+        self.run_id = f"run-{self.tag[:8]}"
+        self.ckpt_dir = tmp / "ckpt"
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.timing = {
+            "join_timeout": 60,
+            "last_call_timeout": 1,
+            "close_timeout": 5,
+            "keep_alive_interval": 1,
+            "keep_alive_max_attempt": 3,
+            "grace_seconds": 5,
+            "max_restarts": 3,
+            **timing,
+        }
+        self.nodes: list[Node] = []
+        self._launches = 0
+
+    def contract(self, index: int) -> AgentContract:
+        return AgentContract(
+            job_name="itest",
+            run_id=self.run_id,
+            pod_index=index,
+            endpoint_host="127.0.0.1",
+            port=self.port,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            nproc_per_node=1,
+            max_restarts=self.timing["max_restarts"],
+            join_timeout=self.timing["join_timeout"],
+            last_call_timeout=self.timing["last_call_timeout"],
+            close_timeout=self.timing["close_timeout"],
+            keep_alive_interval=self.timing["keep_alive_interval"],
+            keep_alive_max_attempt=self.timing["keep_alive_max_attempt"],
+            grace_seconds=self.timing["grace_seconds"],
+            state_file=str(self.tmp / f"state-{index}-{self._launches}.json"),
+        )
+
+    def start(
+        self, index: int, train_args: list[str], *, stock: bool = False
+    ) -> Node:
+        """Start node ``index`` (0 hosts the store) with ``ddpjob-agent`` or stock torchrun."""
+        contract = self.contract(index)
+        env = {
+            **os.environ,
+            **agent_env(contract),
+            TAG_ENV: self.tag,
+            "DDPJOB_CKPT_DIR": str(self.ckpt_dir),
+            "PYTHONUNBUFFERED": "1",
+        }
+        launcher = ["-m", "torch.distributed.run"] if stock else ["-m", "ddpjob_worker.cli"]
+        log = self.tmp / f"node-{index}-{self._launches}.log"
+        self._launches += 1
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, *launcher, str(TRAIN), *train_args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.tmp,
+            )
+        node = Node(index, proc, log, Path(contract.state_file), time.monotonic())
+        self.nodes.append(node)
+        return node
+
+    def leftovers(self) -> list[int]:
+        return tagged_pids(self.tag)
+
+    def assert_clean(self, timeout: float = 10.0) -> None:
+        """Every process this test started has exited."""
+        wait_until(f"no processes left (tag {self.tag})", lambda: not self.leftovers(), timeout)
+
+    def kill_all(self) -> None:
+        for node in self.nodes:
+            if node.running():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(node.pid, signal.SIGKILL)
+        for pid in self.leftovers():
+            _kill(pid)
+        for node in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=10)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- node {n.index} ({n.log.name}) ---\n{n.text()[-4000:]}"
+                         for n in self.nodes)

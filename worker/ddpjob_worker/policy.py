@@ -1,0 +1,235 @@
+"""Pure decisions of the agent: no I/O, no torch. The agent (``agent.py``) applies them.
+
+* :func:`backoff_delays` / :func:`next_delay`: how long to wait between endpoint probes.
+* :func:`decide`: what to do after one look at the workers (the monitor loop's only branch).
+* :func:`is_membership_change`: the refund rule for provisionally charged restarts.
+* :func:`resolve_settings`: read our settings from torchrun's parsed ``--rdzv-conf`` and the env.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator, Mapping
+
+from ddpjob_operator import contract
+
+DEFAULT_JOIN_TIMEOUT = 600.0
+"""torch's c10d rendezvous default ``join_timeout`` (seconds)."""
+DEFAULT_GRACE_SECONDS = 25.0
+"""Below Kubernetes' default ``terminationGracePeriodSeconds`` (30 s), so we kill before it does."""
+DEFAULT_HEARTBEAT_SECONDS = 5.0
+"""How often the agent rewrites its state file while nothing changes."""
+
+
+def next_delay(
+    attempt: int, *, initial: float = 0.1, factor: float = 2.0, cap: float = 2.0
+) -> float:
+    """Delay before probe ``attempt + 1`` (attempt counts from 0): capped exponential growth."""
+    if attempt < 0:
+        raise ValueError(f"attempt must be >= 0, got {attempt}")
+    if initial <= 0 or factor < 1 or cap < initial:
+        raise ValueError(
+            f"need initial > 0, factor >= 1, cap >= initial; got {initial}, {factor}, {cap}"
+        )
+    # Stop multiplying once over the cap so huge attempt numbers cannot overflow.
+    delay = initial
+    for _ in range(attempt):
+        delay *= factor
+        if delay >= cap:
+            return cap
+    return min(delay, cap)
+
+
+def backoff_delays(
+    total: float, *, initial: float = 0.1, factor: float = 2.0, cap: float = 2.0
+) -> Iterator[float]:
+    """The delays a waiter sleeps within ``total`` seconds; the last one is cut to fit."""
+    spent = 0.0
+    attempt = 0
+    while spent < total:
+        delay = min(next_delay(attempt, initial=initial, factor=factor, cap=cap), total - spent)
+        yield delay
+        spent += delay
+        attempt += 1
+
+
+class WorkerStatus(enum.StrEnum):
+    """What one look at the local workers showed (torch's WorkerState, narrowed)."""
+
+    HEALTHY = "healthy"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class Action(enum.StrEnum):
+    CONTINUE = "continue"
+    """Keep monitoring."""
+    FINISH = "finish"
+    """Workers succeeded: wait at the exit barrier, then exit 0."""
+    RESTART_CHARGED = "restart_charged"
+    """A worker failed: restart, charging one restart (may be refunded, see below)."""
+    RESTART_FREE = "restart_free"
+    """Membership changed (a node waits to join, or the store host was lost): free restart."""
+    GIVE_UP = "give_up"
+    """A worker failed and the budget is used up: stop and exit non-zero."""
+
+
+def decide(
+    status: WorkerStatus, *, remaining_restarts: int, nodes_waiting: int, store_lost: bool
+) -> Action:
+    """The monitor loop's decision after one look at the workers.
+
+    ``store_lost`` means the rendezvous store did not answer (its host is gone). That is a
+    membership change, so it restarts for free even when workers failed because of it.
+    """
+    if status is WorkerStatus.SUCCEEDED:
+        return Action.FINISH
+    if store_lost:
+        return Action.RESTART_FREE
+    if status is WorkerStatus.FAILED:
+        return Action.RESTART_CHARGED if remaining_restarts > 0 else Action.GIVE_UP
+    if nodes_waiting > 0:
+        return Action.RESTART_FREE
+    return Action.CONTINUE
+
+
+def is_membership_change(
+    *, previous_nodes: int | None, new_nodes: int, store_recovered: bool
+) -> bool:
+    """The refund rule: was a provisionally charged restart really a membership change?
+
+    When a peer node dies, our workers fail first (gloo loses a connection) and the restart is
+    charged. If the next round has fewer nodes than the previous one, a peer left, and the charge
+    is refunded. Losing and rejoining the store host is a membership change too. A round of the
+    same or a bigger size means a worker really failed, and the charge stands.
+    """
+    if store_recovered:
+        return True
+    return previous_nodes is not None and new_nodes < previous_nodes
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """The restart budget: ``charged`` restarts so far, ``refunded`` of them given back."""
+
+    max_restarts: int
+    charged: int = 0
+    refunded: int = 0
+    free: int = 0
+
+    @property
+    def restart_count(self) -> int:
+        """Net restarts, the value of ``TORCHELASTIC_RESTART_COUNT``."""
+        return self.charged - self.refunded
+
+    @property
+    def remaining(self) -> int:
+        return self.max_restarts - self.restart_count
+
+    def charge(self) -> Budget:
+        if self.remaining <= 0:
+            raise ValueError(f"no restarts left of {self.max_restarts}")
+        return dataclasses.replace(self, charged=self.charged + 1)
+
+    def refund(self) -> Budget:
+        if self.restart_count <= 0:
+            raise ValueError("nothing to refund: no restart is charged")
+        return dataclasses.replace(self, refunded=self.refunded + 1)
+
+    def free_restart(self) -> Budget:
+        return dataclasses.replace(self, free=self.free + 1)
+
+    @property
+    def membership_restarts(self) -> int:
+        return self.refunded + self.free
+
+
+def parse_bool(value: str) -> bool:
+    """torch's rendezvous boolean syntax. Raises ValueError naming the value."""
+    lowered = value.strip().lower()
+    if lowered in {"1", "true", "t", "yes", "y"}:
+        return True
+    if lowered in {"0", "false", "f", "no", "n"}:
+        return False
+    raise ValueError(f"{value!r} is not a boolean (use true/false or 1/0)")
+
+
+def parse_seconds(name: str, value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from exc
+    if seconds < 0:
+        raise ValueError(f"{name}={value!r} must not be negative")
+    return seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the agent needs on top of torchrun's LaunchConfig."""
+
+    is_host: bool | None
+    """True: this agent hosts the store. None: unknown (torch's hostname heuristic decides)."""
+    join_timeout: float
+    grace_seconds: float
+    state_file: str | None
+
+
+def resolve_settings(
+    rdzv_conf: Mapping[str, str],
+    env: Mapping[str, str],
+    *,
+    grace_flag: float | None = None,
+    state_file_flag: str | None = None,
+) -> Settings:
+    """Combine ``--rdzv-conf`` and our ``DDPJOB_*`` env; flags win over env.
+
+    ``is_host`` in the conf wins over ``DDPJOB_RDZV_HOST``; when they disagree the conf is what
+    torch will act on, so it is what we act on too.
+    """
+    is_host: bool | None = None
+    if contract.DDPJOB_RDZV_HOST in env and env[contract.DDPJOB_RDZV_HOST].strip():
+        is_host = parse_bool(env[contract.DDPJOB_RDZV_HOST])
+    if "is_host" in rdzv_conf:
+        is_host = parse_bool(rdzv_conf["is_host"])
+    join_timeout = DEFAULT_JOIN_TIMEOUT
+    if "join_timeout" in rdzv_conf:
+        join_timeout = parse_seconds("join_timeout", rdzv_conf["join_timeout"])
+    if grace_flag is not None:
+        grace = grace_flag
+    elif env.get(contract.DDPJOB_GRACE_SECONDS, "").strip():
+        grace = parse_seconds(contract.DDPJOB_GRACE_SECONDS, env[contract.DDPJOB_GRACE_SECONDS])
+    else:
+        grace = DEFAULT_GRACE_SECONDS
+    state_file = state_file_flag or env.get(contract.DDPJOB_STATE_FILE) or None
+    return Settings(
+        is_host=is_host, join_timeout=join_timeout, grace_seconds=grace, state_file=state_file
+    )
+
+
+def split_endpoint(
+    endpoint: str, default_port: int = contract.DEFAULT_RDZV_PORT
+) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``, or ``host``) to a pair. Raises ValueError naming it."""
+    text = endpoint.strip()
+    if not text:
+        raise ValueError("the rendezvous endpoint is empty (set --rdzv-endpoint host:port)")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ValueError(f"endpoint {endpoint!r} has an unclosed '['")
+        port_text = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host, default_port
+    try:
+        port = int(port_text)
+    except ValueError as exc:
+        raise ValueError(f"endpoint {endpoint!r} has a non-numeric port {port_text!r}") from exc
+    if not 0 <= port <= 65535:
+        raise ValueError(f"endpoint {endpoint!r} has port {port} outside 0-65535")
+    return host, port
