@@ -22,11 +22,18 @@ import decimal
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes.utils import parse_quantity
+from kubernetes.utils import parse_quantity as _parse_quantity
 
 from ddpjob_operator import api, contract
 
 JSON = dict[str, Any]
+
+
+def parse_quantity(value: object) -> decimal.Decimal:
+    """A Kubernetes quantity ("3Gi", "500m", 8) as a Decimal (the client library's parser)."""
+    parsed: decimal.Decimal = _parse_quantity(value)  # type: ignore[no-untyped-call]
+    return parsed
+
 
 CONTAINER_PORT_NAME = "rdzv"
 SHM_VOLUME = "dshm"
@@ -110,7 +117,9 @@ def owner_references(job: api.DDPJob) -> list[JSON]:
     ]
 
 
-def _metadata(job: api.DDPJob, name: str, index: int | None, extra_labels: Mapping[str, str]) -> JSON:
+def _metadata(
+    job: api.DDPJob, name: str, index: int | None, extra_labels: Mapping[str, str]
+) -> JSON:
     meta: JSON = {
         "name": name,
         "namespace": job.namespace,
@@ -173,7 +182,9 @@ def shm_size(spec: api.DDPJobSpec) -> str:
     return DEFAULT_SHM
 
 
-def agent_contract(job: api.DDPJob, index: int, network: Network = CLUSTER) -> contract.AgentContract:
+def agent_contract(
+    job: api.DDPJob, index: int, network: Network = CLUSTER
+) -> contract.AgentContract:
     spec = job.spec
     rdzv = spec.rendezvous
     grace = spec.template.spec.model_dump(by_alias=True).get(
@@ -230,7 +241,11 @@ def _trainer(container: JSON, job: api.DDPJob, index: int, network: Network) -> 
     ports = list(container.get("ports") or [])
     if not any(p.get("containerPort") == job.spec.rendezvous.port for p in ports):
         ports.append(
-            {"name": CONTAINER_PORT_NAME, "containerPort": job.spec.rendezvous.port, "protocol": "TCP"}
+            {
+                "name": CONTAINER_PORT_NAME,
+                "containerPort": job.spec.rendezvous.port,
+                "protocol": "TCP",
+            }
         )
     out["ports"] = ports
     security = dict(out.get("securityContext") or {})
@@ -256,7 +271,9 @@ def build_pod(job: api.DDPJob, index: int, network: Network = CLUSTER) -> JSON:
     volumes = list(spec.get("volumes") or [])
     names = {v.get("name") for v in volumes}
     if SHM_VOLUME not in names:
-        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(job.spec)}})
+        volumes.append(
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(job.spec)}}
+        )
     if STATE_VOLUME not in names:
         volumes.append({"name": STATE_VOLUME, "emptyDir": {"sizeLimit": "16Mi"}})
     spec["volumes"] = volumes

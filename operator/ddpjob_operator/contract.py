@@ -108,8 +108,8 @@ def format_rdzv_conf(conf: Mapping[str, str]) -> str:
 def parse_rdzv_conf(text: str) -> dict[str, str]:
     """Parse torchrun's ``--rdzv-conf`` syntax. Raises ValueError naming the bad item."""
     conf: dict[str, str] = {}
-    for item in text.split(","):
-        item = item.strip()
+    for raw in text.split(","):
+        item = raw.strip()
         if not item:
             continue
         key, sep, value = item.partition("=")

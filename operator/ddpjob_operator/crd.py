@@ -1,10 +1,10 @@
 """Generate the DDPJob CustomResourceDefinition from the pydantic models.
 
-pydantic writes JSON Schema (draft 2020-12, with ``$ref``/``$defs`` and ``anyOf: [X, null]``);
+pydantic writes JSON Schema (draft 2020-12: ``$ref``/``$defs``, ``anyOf: [X, null]``);
 the API server wants a *structural* OpenAPI v3 schema: every node typed, no ``$ref``, no
 ``anyOf`` with null, no ``additionalProperties`` next to ``properties``, and int-or-string as
 ``x-kubernetes-int-or-string``. :func:`structural` does that translation, and
-:func:`structural_problems` checks the result (the test suite runs it; kubernetes-validate does not).
+:func:`structural_problems` checks the result (tests run it: kubernetes-validate does not).
 """
 
 from __future__ import annotations
@@ -98,16 +98,17 @@ def structural_problems(schema: JSON) -> list[str]:
         for banned in ("$ref", "anyOf", "oneOf", "allOf", "not", "const", "$defs", "nullable"):
             if banned in node:
                 problems.append(f"{path or '.'}: uses {banned}")
-        if "type" not in node and not node.get("x-kubernetes-int-or-string"):
-            if not node.get("x-kubernetes-preserve-unknown-fields"):
-                problems.append(f"{path or '.'}: has no type")
+        untyped_ok = node.get("x-kubernetes-int-or-string") or node.get(
+            "x-kubernetes-preserve-unknown-fields"
+        )
+        if "type" not in node and not untyped_ok:
+            problems.append(f"{path or '.'}: has no type")
         if "properties" in node and "additionalProperties" in node:
             problems.append(f"{path or '.'}: has both properties and additionalProperties")
         if "default" in node and node["default"] is None:
             problems.append(f"{path or '.'}: has a null default")
-        if isinstance(node.get("exclusiveMinimum"), int | float) and not isinstance(
-            node.get("exclusiveMinimum"), bool
-        ):
+        bound = node.get("exclusiveMinimum")
+        if isinstance(bound, int | float) and not isinstance(bound, bool):
             problems.append(f"{path or '.'}: numeric exclusiveMinimum (OpenAPI v3 wants a bool)")
     return problems
 

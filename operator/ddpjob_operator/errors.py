@@ -1,7 +1,7 @@
 """ddpjob's own errors. Third-party errors are wrapped at the edge with ``raise ... from exc``.
 
-Every error a user can cause names the field (as a dotted path, ``spec.template.spec.containers[0].image``)
-and says what would be valid.
+Every error a user can cause names the field as a dotted path
+(``spec.template.spec.containers[0].image``) and says what would be valid.
 """
 
 from __future__ import annotations

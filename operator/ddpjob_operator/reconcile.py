@@ -207,7 +207,9 @@ def _failure_event(job: api.DDPJob, failure: PodFailure, status: DDPJobStatus) -
         else "not charged: disruption"
     )
     detail = f": {failure.message}" if failure.message else ""
-    return Event("Warning", "PodFailed", f"pod {failure.pod} failed ({failure.reason}, {budget}){detail}")
+    return Event(
+        "Warning", "PodFailed", f"pod {failure.pod} failed ({failure.reason}, {budget}){detail}"
+    )
 
 
 # ---- verdicts ----------------------------------------------------------------------------------
@@ -247,26 +249,23 @@ def _failure_verdict(
             f"{spec.backoff_limit}{why}",
         )
     deadline = spec.active_deadline_seconds
-    if deadline is not None and status.start_time is not None:
-        if now >= status.start_time + dt.timedelta(seconds=deadline):
-            return _Verdict(
-                JobPhase.FAILED, "DeadlineExceeded", f"the job ran longer than {deadline}s"
-            )
+    start = status.start_time
+    if deadline is not None and start is not None and now >= start + dt.timedelta(seconds=deadline):
+        return _Verdict(JobPhase.FAILED, "DeadlineExceeded", f"the job ran longer than {deadline}s")
     timeout = spec.rendezvous.join_timeout_seconds
-    if not completing and status.below_min_since is not None and running < spec.effective_min:
-        if now >= status.below_min_since + dt.timedelta(seconds=timeout):
-            return _Verdict(
-                JobPhase.FAILED,
-                "BelowMinReplicas",
-                f"only {running} of minReplicas {spec.effective_min} pods ran for longer than "
-                f"rendezvous.joinTimeoutSeconds ({timeout}s)",
-            )
+    since = status.below_min_since
+    below = not completing and since is not None and running < spec.effective_min
+    if below and since is not None and now >= since + dt.timedelta(seconds=timeout):
+        return _Verdict(
+            JobPhase.FAILED,
+            "BelowMinReplicas",
+            f"only {running} of minReplicas {spec.effective_min} pods ran for longer than "
+            f"rendezvous.joinTimeoutSeconds ({timeout}s)",
+        )
     return None
 
 
-def _cleanup(
-    pods: Sequence[ObservedPod], policy: CleanPodPolicy
-) -> list[Action]:
+def _cleanup(pods: Sequence[ObservedPod], policy: CleanPodPolicy) -> list[Action]:
     if policy is CleanPodPolicy.NONE:
         return []
     doomed = [
@@ -289,7 +288,12 @@ def _finish(
     events: list[Event],
 ) -> Decision:
     conditions = set_condition(
-        status.conditions, ConditionType(verdict.phase.value), True, verdict.reason, verdict.message, now
+        status.conditions,
+        ConditionType(verdict.phase.value),
+        True,
+        verdict.reason,
+        verdict.message,
+        now,
     )
     conditions = set_condition(conditions, ConditionType.RUNNING, False, verdict.reason, "", now)
     conditions = set_condition(conditions, ConditionType.RESTARTING, False, verdict.reason, "", now)
@@ -303,7 +307,9 @@ def _finish(
             "world_size": 0,
         }
     )
-    kind: Literal["Normal", "Warning"] = "Normal" if verdict.phase is JobPhase.SUCCEEDED else "Warning"
+    kind: Literal["Normal", "Warning"] = (
+        "Normal" if verdict.phase is JobPhase.SUCCEEDED else "Warning"
+    )
     events.append(Event(kind, verdict.reason, verdict.message))
     return _finished(job, pods, status, now, events)
 
@@ -339,9 +345,15 @@ def _suspend(
         for p in sorted(pods, key=lambda p: -p.index)
         if not p.deleting
     ]
-    conditions = set_condition(status.conditions, ConditionType.SUSPENDED, True, "Suspended", "spec.suspend is true", now)
+    conditions = set_condition(
+        status.conditions, ConditionType.SUSPENDED, True, "Suspended", "spec.suspend is true", now
+    )
     conditions = set_condition(conditions, ConditionType.RUNNING, False, "Suspended", "", now)
-    events = [] if status.phase is JobPhase.SUSPENDED else [Event("Normal", "Suspended", "job suspended; deleting its pods")]
+    events = (
+        []
+        if status.phase is JobPhase.SUSPENDED
+        else [Event("Normal", "Suspended", "job suspended; deleting its pods")]
+    )
     status = status.model_copy(
         update={
             "phase": JobPhase.SUSPENDED,
@@ -363,10 +375,14 @@ def _world_size(job: api.DDPJob, live: Sequence[ObservedPod]) -> int:
     return sum(p.ready for p in live) * builders.nproc_per_node(job.spec)
 
 
-def _phase(completing: bool, running: int, minimum: int, conditions: Sequence[Condition]) -> JobPhase:
+def _phase(
+    completing: bool, running: int, minimum: int, conditions: Sequence[Condition]
+) -> JobPhase:
     if completing or running >= minimum:
         return JobPhase.RUNNING
-    if _condition_true(conditions, ConditionType.RUNNING) or _condition_true(conditions, ConditionType.RESTARTING):
+    if _condition_true(conditions, ConditionType.RUNNING) or _condition_true(
+        conditions, ConditionType.RESTARTING
+    ):
         return JobPhase.RESTARTING
     return JobPhase.PENDING
 
@@ -395,7 +411,9 @@ def reconcile(
         status = status.model_copy(
             update={
                 "phase": JobPhase.PENDING,
-                "conditions": set_condition(status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now),
+                "conditions": set_condition(
+                    status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
+                ),
             }
         )
     if status.start_time is None:
@@ -416,7 +434,9 @@ def reconcile(
 
     verdict = _failure_verdict(job, new_failures, status, now, running, completing)
     if verdict is None and completing and not live:
-        verdict = _Verdict(JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully")
+        verdict = _Verdict(
+            JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully"
+        )
     if verdict is not None:
         return _finish(job, pods, status, verdict, now, events)
 
@@ -429,7 +449,9 @@ def reconcile(
             if pod.phase is PodPhase.FAILED and not pod.deleting and pod.index < desired:
                 actions.append(DeletePod(pod.name, pod.uid, pod.index, DeleteWhy.REPLACE))
         actions += [
-            CreatePod(i, builders.build_pod(job, i, network)) for i in range(desired) if i not in by_index
+            CreatePod(i, builders.build_pod(job, i, network))
+            for i in range(desired)
+            if i not in by_index
         ]
         actions += [
             DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
@@ -440,12 +462,16 @@ def reconcile(
     phase = _phase(completing, running, spec.effective_min, status.conditions)
     conditions = status.conditions
     if not _condition_true(conditions, ConditionType.CREATED):
-        conditions = set_condition(conditions, ConditionType.CREATED, True, "Created", "pods and service created", now)
+        conditions = set_condition(
+            conditions, ConditionType.CREATED, True, "Created", "pods and service created", now
+        )
     conditions = set_condition(
         conditions,
         ConditionType.RUNNING,
         phase is JobPhase.RUNNING,
-        "Completing" if completing else ("MinReplicasRunning" if phase is JobPhase.RUNNING else "WaitingForPods"),
+        "Completing"
+        if completing
+        else ("MinReplicasRunning" if phase is JobPhase.RUNNING else "WaitingForPods"),
         f"{running} of {desired} pods running (minReplicas {spec.effective_min})",
         now,
     )
@@ -474,7 +500,9 @@ def _requeue(job: api.DDPJob, status: DDPJobStatus, now: dt.datetime) -> float |
     if job.spec.active_deadline_seconds is not None and status.start_time is not None:
         due.append(status.start_time + dt.timedelta(seconds=job.spec.active_deadline_seconds))
     if status.below_min_since is not None:
-        due.append(status.below_min_since + dt.timedelta(seconds=job.spec.rendezvous.join_timeout_seconds))
+        due.append(
+            status.below_min_since + dt.timedelta(seconds=job.spec.rendezvous.join_timeout_seconds)
+        )
     if not due:
         return None
     return max(0.0, (min(due) - now).total_seconds())

@@ -1,0 +1,203 @@
+"""Pure builders: exact objects, deterministic names, torch-savvy defaults, user settings win."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from ddpjob_operator import builders, contract
+
+from .jobs import job
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {
+        e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]
+    }
+
+
+def test_service_is_headless_and_owned() -> None:
+    assert builders.build_service(job()) == {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": "demo",
+            "namespace": "ml",
+            "labels": {
+                "app.kubernetes.io/name": "ddpjob",
+                "app.kubernetes.io/instance": "demo",
+                "app.kubernetes.io/managed-by": "ddpjob-operator",
+                "ddpjob.io/job-name": "demo",
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": "ddpjob.io/v1alpha1",
+                    "kind": "DDPJob",
+                    "name": "demo",
+                    "uid": "uid-demo",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"ddpjob.io/job-name": "demo"},
+            "ports": [{"name": "rdzv", "port": 29400, "targetPort": 29400, "protocol": "TCP"}],
+        },
+    }
+
+
+@pytest.mark.parametrize("index", [0, 1, 7])
+def test_pod_identity(index: int) -> None:
+    pod = builders.build_pod(job(), index)
+    assert pod["metadata"]["name"] == f"demo-worker-{index}"
+    assert pod["spec"]["hostname"] == f"demo-worker-{index}"
+    assert pod["spec"]["subdomain"] == "demo"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["metadata"]["labels"]["ddpjob.io/replica-index"] == str(index)
+    assert pod["metadata"]["labels"]["ddpjob.io/role"] == ("master" if index == 0 else "worker")
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+
+
+def test_pods_are_deterministic() -> None:
+    assert builders.build_pod(job(), 1) == builders.build_pod(job(), 1)
+
+
+def test_env_contract_only_pod0_hosts_the_store() -> None:
+    env0, env1 = env_of(builders.build_pod(job(), 0)), env_of(builders.build_pod(job(), 1))
+    assert (
+        env0["PET_RDZV_ENDPOINT"] == env1["PET_RDZV_ENDPOINT"] == "demo-worker-0.demo.ml.svc:29400"
+    )
+    assert env0["PET_NNODES"] == "1:4"
+    assert env0["PET_NPROC_PER_NODE"] == "1"
+    assert env0["PET_RDZV_BACKEND"] == "c10d"
+    assert env0["PET_RDZV_ID"] == "uid-demo"
+    assert env0["PET_MAX_RESTARTS"] == "3"
+    assert env0["DDPJOB_RDZV_HOST"] == "1" and env1["DDPJOB_RDZV_HOST"] == "0"
+    assert contract.parse_rdzv_conf(env0["PET_RDZV_CONF"]) == {
+        "is_host": "true",
+        "join_timeout": "600",
+        "last_call_timeout": "2",
+        "close_timeout": "30",
+        "keep_alive_interval": "1",
+        "keep_alive_max_attempt": "5",
+    }
+    assert contract.parse_rdzv_conf(env1["PET_RDZV_CONF"])["is_host"] == "false"
+    assert env0["PET_LOCAL_ADDR"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env0["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env0["DDPJOB_GRACE_SECONDS"] == "25"
+
+
+def test_user_env_wins_and_is_not_duplicated() -> None:
+    container = {
+        "name": "trainer",
+        "image": "x",
+        "env": [
+            {"name": "NCCL_DEBUG", "value": "INFO"},
+            {"name": "PET_MAX_RESTARTS", "value": "9"},
+        ],
+    }
+    pod = builders.build_pod(job(template={"spec": {"containers": [container]}}), 0)
+    names = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
+    assert len(names) == len(set(names))
+    assert env_of(pod)["NCCL_DEBUG"] == "INFO"
+    assert env_of(pod)["PET_MAX_RESTARTS"] == "9"
+    assert env_of(pod)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("resources", "shm_size"),
+    [
+        ({}, "1Gi"),
+        ({"limits": {"memory": "8Gi"}}, "4096Mi"),
+        ({"requests": {"memory": "3G"}}, "1430Mi"),
+        ({"limits": {"memory": "4Gi"}, "requests": {"memory": "1Gi"}}, "2048Mi"),
+    ],
+)
+def test_dev_shm_is_memory_backed_and_sized_from_memory(
+    resources: dict[str, Any], shm_size: str
+) -> None:
+    container = {"name": "trainer", "image": "x", "resources": resources}
+    pod = builders.build_pod(job(template={"spec": {"containers": [container]}}), 0)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["dshm"] == {
+        "name": "dshm",
+        "emptyDir": {"medium": "Memory", "sizeLimit": shm_size},
+    }
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["spec"]["containers"][0]["volumeMounts"]
+
+
+def test_explicit_shm_size_wins() -> None:
+    pod = builders.build_pod(job(shmSize="16Gi"), 0)
+    assert {v["name"]: v for v in pod["spec"]["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"
+
+
+@pytest.mark.parametrize(
+    ("nproc", "resources", "expected"),
+    [
+        ("auto", {}, "1"),
+        ("auto", {"limits": {"nvidia.com/gpu": 8}}, "8"),
+        (4, {"limits": {"nvidia.com/gpu": 8}}, "4"),
+    ],
+)
+def test_nproc_per_node_auto_uses_gpus(
+    nproc: Any, resources: dict[str, Any], expected: str
+) -> None:
+    container = {"name": "trainer", "image": "x", "resources": resources}
+    spec = {"nprocPerNode": nproc, "template": {"spec": {"containers": [container]}}}
+    assert env_of(builders.build_pod(job(**spec), 0))["PET_NPROC_PER_NODE"] == expected
+
+
+def test_security_defaults_and_user_override() -> None:
+    pod = builders.build_pod(job(), 0)
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    trainer = pod["spec"]["containers"][0]
+    assert trainer["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    template = {
+        "spec": {
+            "securityContext": {"runAsNonRoot": False},
+            "containers": [{"name": "t", "image": "x"}],
+        }
+    }
+    assert (
+        builders.build_pod(job(template=template), 0)["spec"]["securityContext"]["runAsNonRoot"]
+        is False
+    )
+
+
+def test_sidecars_are_kept_untouched() -> None:
+    sidecar = {"name": "logs", "image": "fluent/bit:3"}
+    template = {"spec": {"containers": [{"name": "trainer", "image": "x"}, sidecar]}}
+    assert builders.build_pod(job(template=template), 0)["spec"]["containers"][1] == sidecar
+
+
+def test_local_network_maps_everything_to_loopback() -> None:
+    network = builders.Network(rdzv_host="127.0.0.1", rdzv_port=40123, state_dir="/tmp/run")
+    env = env_of(builders.build_pod(job(), 1, network))
+    assert env["PET_RDZV_ENDPOINT"] == "127.0.0.1:40123"
+    assert env["DDPJOB_STATE_FILE"] == "/tmp/run/demo-worker-1.state.json"
+
+
+@pytest.mark.parametrize("version", ["1.30.0", kubernetes_validate.latest_version()])
+def test_built_objects_pass_strict_kubernetes_validation(version: str) -> None:
+    container = {
+        "name": "trainer",
+        "image": "x",
+        "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "16Gi"}},
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    template = {"spec": {"containers": [container], "volumes": [{"name": "data", "emptyDir": {}}]}}
+    kubernetes_validate.validate(builders.build_service(job()), version, strict=True)
+    for index in (0, 1):
+        kubernetes_validate.validate(
+            builders.build_pod(job(template=template), index), version, strict=True
+        )

@@ -1,0 +1,81 @@
+"""`ddpjob validate` and `ddpjob crd`, as a user runs them: real processes, exit codes, stderr."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .jobs import manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+DDPJOB = shutil.which("ddpjob", path=str(Path(sys.executable).parent)) or "ddpjob"
+
+
+def ddpjob(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([DDPJOB, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_validate_accepts_the_examples() -> None:
+    result = ddpjob("validate", *map(str, sorted((ROOT / "examples").glob("*.yaml"))))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "quickstart.yaml: valid DDPJob default/quickstart: replicas 2 (min 1, max 3)"
+        in result.stdout
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("spec: [unclosed", "malformed YAML at line 1, column 16: expected ',' or ']'"),
+        ("", "expected exactly one YAML document holding a DDPJob, found 0"),
+        (yaml.safe_dump(manifest(minReplicas=5)), "spec: minReplicas (5) must be <= replicas (2)"),
+        (
+            yaml.safe_dump(manifest(template={"spec": {"containers": []}})),
+            "spec.template.spec.containers: List should have at least 1 item",
+        ),
+        (
+            yaml.safe_dump(manifest(template={"spec": {"containers": [{"name": "t"}]}})),
+            "spec.template.spec.containers[0].image: required field is missing",
+        ),
+        (
+            yaml.safe_dump(manifest(replicas=-3)),
+            "spec.replicas: Input should be greater than or equal to 1 (got -3)",
+        ),
+        (yaml.safe_dump(manifest(colour="blue")), "spec.colour: unknown field; valid fields here:"),
+    ],
+)
+def test_bad_input_exits_2_with_the_field_and_no_traceback(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(content)
+    result = ddpjob("validate", str(path))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert str(path) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    result = ddpjob("validate", str(tmp_path / "nope.yaml"))
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        f"error: {tmp_path / 'nope.yaml'}: no such file",
+    )
+
+
+def test_bad_usage_exits_2() -> None:
+    assert ddpjob("validate").returncode == 2
+    assert ddpjob("frobnicate").returncode == 2
+
+
+def test_crd_prints_the_checked_in_crd() -> None:
+    result = ddpjob("crd")
+    assert result.returncode == 0
+    assert result.stdout == (ROOT / "deploy" / "crd.yaml").read_text()

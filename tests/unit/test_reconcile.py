@@ -1,0 +1,401 @@
+"""The pure reconciler: table-driven scenarios, then properties with hypothesis."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from ddpjob_operator import api
+from ddpjob_operator.observe import ObservedPod, PodPhase
+from ddpjob_operator.reconcile import (
+    CreatePod,
+    CreateService,
+    Decision,
+    DeleteJob,
+    DeletePod,
+    Observed,
+    reconcile,
+)
+from hypothesis import HealthCheck, given, settings
+
+from .jobs import manifest
+
+T0 = dt.datetime(2026, 11, 22, 12, 0, tzinfo=dt.UTC)
+_uids = itertools.count()
+
+
+def make_job(status: api.DDPJobStatus | None = None, **spec: Any) -> api.DDPJob:
+    job = api.parse_job(manifest(**spec))
+    return job.model_copy(update={"status": status}) if status is not None else job
+
+
+def pod(index: int, phase: PodPhase = PodPhase.RUNNING, **kw: Any) -> ObservedPod:
+    kw.setdefault("uid", f"uid-{index}-{next(_uids)}")
+    kw.setdefault("ready", phase is PodPhase.RUNNING)
+    return ObservedPod(name=f"demo-worker-{index}", index=index, phase=phase, **kw)
+
+
+def failed(index: int, exit_code: int = 1, **kw: Any) -> ObservedPod:
+    return pod(index, PodPhase.FAILED, exit_code=exit_code, **kw)
+
+
+def run(
+    job: api.DDPJob, *pods: ObservedPod, now: dt.datetime = T0, service: bool = True
+) -> Decision:
+    return reconcile(job, Observed(tuple(pods), service), now)
+
+
+def kinds(decision: Decision) -> list[tuple[str, int | None, str | None]]:
+    out: list[tuple[str, int | None, str | None]] = []
+    for action in decision.actions:
+        if isinstance(action, CreatePod):
+            out.append(("create", action.index, None))
+        elif isinstance(action, DeletePod):
+            out.append(("delete", action.index, action.why.value))
+        elif isinstance(action, CreateService):
+            out.append(("service", None, None))
+        else:
+            out.append(("delete-job", None, None))
+    return out
+
+
+def running_status(**kw: Any) -> api.DDPJobStatus:
+    first = run(make_job(), pod(0), pod(1)).status
+    return first.model_copy(update=kw)
+
+
+# ---- table-driven scenarios --------------------------------------------------------------------
+
+
+def test_new_job_creates_service_and_every_pod() -> None:
+    decision = run(make_job(), service=False)
+    assert kinds(decision) == [("service", None, None), ("create", 0, None), ("create", 1, None)]
+    assert decision.status.phase is api.JobPhase.PENDING
+    assert decision.status.selector == "ddpjob.io/job-name=demo"
+    assert decision.status.observed_generation == 3
+    assert decision.status.start_time == T0
+
+
+def test_running_job_needs_nothing_and_reports_status() -> None:
+    decision = run(make_job(), pod(0), pod(1, ready=False))
+    assert decision.actions == ()
+    status = decision.status
+    assert (status.phase, status.replicas, status.ready_replicas, status.world_size) == (
+        api.JobPhase.RUNNING,
+        2,
+        1,
+        1,
+    )
+
+
+def test_agent_reported_world_size_wins() -> None:
+    decision = run(make_job(), pod(0, world_size=8), pod(1, world_size=8))
+    assert decision.status.world_size == 8
+
+
+def test_failed_pod_is_counted_deleted_then_recreated() -> None:
+    job = make_job(status=running_status())
+    broken = failed(1, exit_code=137)
+    first = run(job, pod(0), broken)
+    assert kinds(first) == [("delete", 1, "Replace")]
+    assert (first.status.restarts, first.status.backoff_count) == (1, 1)
+    [failure] = first.status.failures
+    assert (failure.pod, failure.reason, failure.charged, failure.uid) == (
+        "demo-worker-1",
+        "ExitCode(137)",
+        True,
+        broken.uid,
+    )
+    assert first.events[0].reason == "PodFailed"
+    # The delete is in flight: the same pod, now deleting, is not counted again.
+    job = job.model_copy(update={"status": first.status})
+    gone = run(job, pod(0), failed(1, exit_code=137, uid=broken.uid, deleting=True))
+    assert gone.actions == () and gone.status.restarts == 1
+    # Once it is gone, it is recreated under the same name.
+    again = run(job.model_copy(update={"status": gone.status}), pod(0))
+    assert kinds(again) == [("create", 1, None)]
+    assert isinstance(again.actions[0], CreatePod) and again.actions[0].name == "demo-worker-1"
+
+
+@pytest.mark.parametrize(
+    ("observed", "reason", "charged"),
+    [
+        ({"exit_code": 1}, "ExitCode(1)", True),
+        ({"exit_code": 137, "container_reason": "OOMKilled"}, "OOMKilled", True),
+        ({"exit_code": 143}, "Preempted", False),
+        ({"exit_code": 137, "disruption": "PreemptionByScheduler"}, "Preempted", False),
+        ({"exit_code": 137, "disruption": "EvictionByEvictionAPI"}, "Evicted", False),
+        ({"exit_code": 137, "disruption": "DeletionByTaintManager"}, "NodeLost", False),
+    ],
+)
+def test_failures_are_classified_and_disruptions_are_free(
+    observed: dict[str, Any], reason: str, charged: bool
+) -> None:
+    decision = run(make_job(status=running_status()), pod(0), failed(1, **observed))
+    [failure] = decision.status.failures
+    assert (failure.reason, failure.charged) == (reason, charged)
+    assert decision.status.backoff_count == int(charged)
+    assert decision.status.restarts == 1
+
+
+def test_pod_deleted_by_someone_else_counts_as_deleted() -> None:
+    decision = run(make_job(status=running_status()), pod(0), pod(1, deleting=True))
+    [failure] = decision.status.failures
+    assert (failure.reason, failure.charged) == ("Deleted", False)
+    assert decision.actions == ()
+
+
+def test_backoff_limit_fails_the_job_and_cleans_up_running_pods() -> None:
+    job = make_job(status=running_status(backoff_count=2, restarts=2), backoffLimit=2)
+    survivor = pod(0)
+    decision = run(job, survivor, failed(1))
+    assert decision.status.phase is api.JobPhase.FAILED
+    assert decision.status.backoff_count == 3
+    assert decision.status.completion_time == T0
+    failed_condition = next(c for c in decision.status.conditions if c.type == "Failed")
+    assert failed_condition.reason == "BackoffLimitExceeded"
+    assert "demo-worker-1 ExitCode(1)" in failed_condition.message
+    assert kinds(decision) == [("delete", 0, "Cleanup")]
+
+
+def test_exit_code_policy_permanent_and_retryable() -> None:
+    permanent = run(
+        make_job(status=running_status(), restartPolicy="ExitCode"), pod(0), failed(1, exit_code=2)
+    )
+    assert permanent.status.phase is api.JobPhase.FAILED
+    assert permanent.status.conditions[-3].reason == "PermanentExitCode"
+    retryable = run(
+        make_job(status=running_status(), restartPolicy="ExitCode"),
+        pod(0),
+        failed(1, exit_code=137),
+    )
+    assert retryable.status.phase is api.JobPhase.RUNNING
+    assert kinds(retryable) == [("delete", 1, "Replace")]
+
+
+def test_exit_code_policy_honours_backoff_limit() -> None:
+    job = make_job(status=running_status(backoff_count=1), restartPolicy="ExitCode", backoffLimit=1)
+    assert run(job, pod(0), failed(1, exit_code=137)).status.phase is api.JobPhase.FAILED
+
+
+def test_never_policy_fails_on_any_failure() -> None:
+    decision = run(
+        make_job(status=running_status(), restartPolicy="Never"), pod(0), failed(1, exit_code=143)
+    )
+    assert decision.status.phase is api.JobPhase.FAILED
+
+
+def test_success_needs_every_live_pod_to_finish() -> None:
+    job = make_job(status=running_status())
+    one_done = run(job, pod(0, PodPhase.SUCCEEDED, exit_code=0), pod(1))
+    assert one_done.status.phase is api.JobPhase.RUNNING
+    assert one_done.actions == ()  # nothing is created or replaced while completing
+    all_done = run(
+        job, pod(0, PodPhase.SUCCEEDED, exit_code=0), pod(1, PodPhase.SUCCEEDED, exit_code=0)
+    )
+    assert all_done.status.phase is api.JobPhase.SUCCEEDED
+    assert all_done.actions == ()  # cleanPodPolicy Running keeps finished pods for their logs
+
+
+@pytest.mark.parametrize(("policy", "deleted"), [("Running", [1]), ("All", [1, 0]), ("None", [])])
+def test_clean_pod_policy(policy: str, deleted: list[int]) -> None:
+    job = make_job(
+        status=running_status(phase=api.JobPhase.FAILED, completion_time=T0), cleanPodPolicy=policy
+    )
+    decision = run(job, pod(0, PodPhase.FAILED, exit_code=1), pod(1))
+    assert kinds(decision) == [("delete", i, "Cleanup") for i in deleted]
+
+
+def test_ttl_after_finished() -> None:
+    status = running_status(phase=api.JobPhase.SUCCEEDED, completion_time=T0)
+    job = make_job(status=status, ttlSecondsAfterFinished=60)
+    early = run(job, now=T0 + dt.timedelta(seconds=10))
+    assert early.actions == () and early.requeue_after == 50
+    late = run(job, now=T0 + dt.timedelta(seconds=60))
+    assert late.actions == (DeleteJob(),)
+
+
+def test_scale_up_and_down_highest_index_first() -> None:
+    up = run(make_job(status=running_status(), replicas=4), pod(0), pod(1))
+    assert kinds(up) == [("create", 2, None), ("create", 3, None)]
+    down = run(make_job(status=running_status(), replicas=1), pod(0), pod(1), pod(2), pod(3))
+    assert kinds(down) == [
+        ("delete", 3, "ScaleDown"),
+        ("delete", 2, "ScaleDown"),
+        ("delete", 1, "ScaleDown"),
+    ]
+    assert down.status.restarts == 0
+
+
+def test_scaled_down_pod_ending_on_sigterm_is_not_a_failure() -> None:
+    decision = run(
+        make_job(status=running_status(), replicas=1),
+        pod(0),
+        failed(1, exit_code=143, deleting=True),
+    )
+    assert decision.status.restarts == 0 and decision.status.failures == []
+
+
+def test_suspend_deletes_everything_and_resume_recreates() -> None:
+    suspended = run(make_job(status=running_status(), suspend=True), pod(0), pod(1))
+    assert kinds(suspended) == [("delete", 1, "Suspend"), ("delete", 0, "Suspend")]
+    assert suspended.status.phase is api.JobPhase.SUSPENDED
+    assert suspended.status.start_time is None
+    resumed = run(make_job(status=suspended.status), now=T0 + dt.timedelta(hours=1))
+    assert kinds(resumed) == [("create", 0, None), ("create", 1, None)]
+    assert resumed.status.phase is api.JobPhase.PENDING
+    assert resumed.status.start_time == T0 + dt.timedelta(hours=1)
+
+
+def test_active_deadline() -> None:
+    job = make_job(status=running_status(start_time=T0), activeDeadlineSeconds=100)
+    before = run(job, pod(0), pod(1), now=T0 + dt.timedelta(seconds=40))
+    assert before.status.phase is api.JobPhase.RUNNING and before.requeue_after == 60
+    after = run(job, pod(0), pod(1), now=T0 + dt.timedelta(seconds=100))
+    assert after.status.phase is api.JobPhase.FAILED
+    assert kinds(after) == [("delete", 1, "Cleanup"), ("delete", 0, "Cleanup")]
+
+
+def test_below_min_replicas_past_the_rendezvous_timeout_fails() -> None:
+    job = make_job(status=running_status(), minReplicas=2, rendezvous={"joinTimeoutSeconds": 30})
+    first = run(job, pod(0), pod(1, PodPhase.PENDING))
+    assert first.status.below_min_since == T0 and first.status.phase is api.JobPhase.RESTARTING
+    job = job.model_copy(update={"status": first.status})
+    still = run(job, pod(0), pod(1, PodPhase.PENDING), now=T0 + dt.timedelta(seconds=29))
+    assert still.status.phase is api.JobPhase.RESTARTING and still.requeue_after == 1
+    late = run(job, pod(0), pod(1, PodPhase.PENDING), now=T0 + dt.timedelta(seconds=30))
+    assert late.status.phase is api.JobPhase.FAILED
+    recovered = run(job, pod(0), pod(1), now=T0 + dt.timedelta(seconds=20))
+    assert recovered.status.below_min_since is None
+
+
+def test_condition_transition_time_moves_only_on_change() -> None:
+    first = run(make_job(), pod(0), pod(1))
+    later = run(make_job(status=first.status), pod(0), pod(1), now=T0 + dt.timedelta(minutes=5))
+    running = next(c for c in later.status.conditions if c.type == "Running")
+    assert running.status == "True" and running.last_transition_time == T0
+
+
+# ---- properties --------------------------------------------------------------------------------
+
+phases = st.sampled_from(list(PodPhase))
+
+
+@st.composite
+def worlds(draw: st.DrawFn) -> tuple[api.DDPJob, tuple[ObservedPod, ...]]:
+    low = draw(st.integers(1, 3))
+    replicas = draw(st.integers(low, low + 3))
+    high = draw(st.integers(replicas, replicas + 3))
+    job = make_job(
+        replicas=replicas,
+        minReplicas=low,
+        maxReplicas=high,
+        restartPolicy=draw(st.sampled_from(["OnFailure", "ExitCode", "Never"])),
+        backoffLimit=draw(st.integers(0, 4)),
+        suspend=draw(st.booleans()),
+        cleanPodPolicy=draw(st.sampled_from(["Running", "All", "None"])),
+    )
+    indices = draw(st.sets(st.integers(0, high + 2), max_size=high + 3))
+    pods = tuple(
+        pod(
+            i,
+            draw(phases),
+            deleting=draw(st.booleans()),
+            exit_code=draw(st.sampled_from([None, 0, 1, 2, 137, 143])),
+            disruption=draw(
+                st.sampled_from([None, None, "PreemptionByScheduler", "EvictionByEvictionAPI"])
+            ),
+        )
+        for i in sorted(indices)
+    )
+    return job, pods
+
+
+def apply(decision: Decision, observed: Observed) -> Observed:
+    pods = {p.name: p for p in observed.pods}
+    service = observed.service
+    for action in decision.actions:
+        if isinstance(action, CreateService):
+            service = True
+        elif isinstance(action, CreatePod):
+            assert action.name not in pods, f"{action.name} created twice"
+            pods[action.name] = pod(action.index, PodPhase.PENDING)
+        elif isinstance(action, DeletePod):
+            old = pods[action.name]
+            assert not old.deleting, f"{action.name} deleted twice"
+            pods[action.name] = ObservedPod(**{**old.__dict__, "deleting": True})
+    return Observed(tuple(pods.values()), service)
+
+
+PROPERTY_SETTINGS = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@PROPERTY_SETTINGS
+@given(worlds())
+def test_never_more_than_max_replicas_pods(
+    world: tuple[api.DDPJob, tuple[ObservedPod, ...]],
+) -> None:
+    job, pods = world
+    decision = run(job, *pods)
+    after = apply(decision, Observed(pods, True))
+    live_before = sum(p.live for p in pods)
+    assert sum(p.live for p in after.pods) <= max(job.spec.effective_max, live_before)
+    assert all(
+        a.index < job.spec.effective_max for a in decision.actions if isinstance(a, CreatePod)
+    )
+    if live_before <= job.spec.effective_max:
+        assert len({p.index for p in after.pods if p.live}) == sum(p.live for p in after.pods)
+
+
+@PROPERTY_SETTINGS
+@given(worlds(), st.booleans())
+def test_applying_the_actions_then_reconciling_again_is_a_no_op(
+    world: tuple[api.DDPJob, tuple[ObservedPod, ...]], service: bool
+) -> None:
+    job, pods = world
+    first = run(job, *pods, service=service)
+    if any(isinstance(a, DeleteJob) for a in first.actions):
+        return
+    observed = apply(first, Observed(pods, service))
+    second = reconcile(job.model_copy(update={"status": first.status}), observed, T0)
+    assert second.actions == ()
+    assert second.status.restarts == first.status.restarts
+    assert second.status.backoff_count == first.status.backoff_count
+
+
+@PROPERTY_SETTINGS
+@given(worlds())
+def test_decisions_are_deterministic_and_names_stable(
+    world: tuple[api.DDPJob, tuple[ObservedPod, ...]],
+) -> None:
+    job, pods = world
+    first, second = run(job, *pods), run(job, *pods)
+    assert first == second
+    for action in first.actions:
+        if isinstance(action, CreatePod):
+            assert action.name == f"demo-worker-{action.index}"
+            assert action.pod["spec"]["hostname"] == action.name
+
+
+@PROPERTY_SETTINGS
+@given(worlds())
+def test_a_failed_pod_is_never_dropped_from_the_restart_count(
+    world: tuple[api.DDPJob, tuple[ObservedPod, ...]],
+) -> None:
+    job, pods = world
+    decision = run(job, *pods)
+    if job.spec.suspend:
+        return
+    desired = min(max(job.spec.replicas, job.spec.effective_min), job.spec.effective_max)
+    must_count = [
+        p for p in pods if p.phase is PodPhase.FAILED and not (p.deleting and p.index >= desired)
+    ]
+    assert decision.status.restarts >= len(must_count)
+    counted = {f.uid for f in decision.status.failures}
+    assert all(p.uid in counted for p in must_count)
+    assert decision.status.backoff_count == sum(f.charged for f in decision.status.failures)
