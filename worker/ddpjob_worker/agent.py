@@ -242,7 +242,7 @@ class DdpjobAgent(LocalElasticAgent):
                     f"the rendezvous store at {host}:{port} did not come back within the join "
                     f"timeout ({self._settings.join_timeout:g}s)"
                 )
-            wait_for_endpoint(host, port, remaining)
+            wait_for_endpoint(host, port, remaining, join_timeout=self._settings.join_timeout)
             try:
                 handler = rdzv_registry.get_rendezvous_handler(self._params)
                 break
@@ -387,7 +387,9 @@ def _first_handler(
     state.update(phase=Phase.WAITING)
     while True:
         remaining = deadline - time.monotonic()
-        probe = wait_for_endpoint(host, port, max(0.0, remaining))
+        probe = wait_for_endpoint(
+            host, port, max(0.0, remaining), join_timeout=settings.join_timeout
+        )
         if probe.attempts > 1:
             logger.info("rendezvous endpoint %s:%d is up after %d tries",
                         host, port, probe.attempts)

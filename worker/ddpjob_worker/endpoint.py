@@ -38,7 +38,8 @@ def try_connect(host: str, port: int, timeout: float) -> str | None:
                 sock.connect(address)
                 return None
         except OSError as exc:
-            errors.append(f"{address[0]!r}:{address[1]!r}: {exc.strerror or exc}")
+            where = address[0] if isinstance(address[0], str) else repr(address[0])
+            errors.append(f"{where}:{address[1]!r}: {exc.strerror or exc}")
     return "TCP connect failed: " + "; ".join(errors)
 
 
@@ -51,11 +52,13 @@ def wait_for_endpoint(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     on_retry: Callable[[Probe], None] | None = None,
+    join_timeout: float | None = None,
 ) -> Probe:
     """Block until ``host:port`` accepts a TCP connection, or raise after ``timeout`` seconds.
 
     Raises :class:`EndpointUnreachableError` naming the endpoint, the last error, the number of
-    attempts and the time spent.
+    attempts and the time spent. ``join_timeout`` is the configured limit to name in the message
+    when ``timeout`` is only what is left of it.
     """
     start = clock()
     deadline = start + timeout
@@ -71,7 +74,7 @@ def wait_for_endpoint(
         if remaining <= 0:
             raise EndpointUnreachableError(
                 f"rendezvous endpoint {host}:{port} is unreachable: tried {probe.attempts} "
-                f"times over {clock() - start:.1f}s (join timeout {timeout:g}s); "
+                f"times over {clock() - start:.1f}s (join timeout {join_timeout or timeout:g}s); "
                 f"last error: {probe.last_error}. Check that the store host (pod 0) is running "
                 f"and that its Service/DNS name is right."
             )

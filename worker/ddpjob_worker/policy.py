@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Iterator, Mapping
 
 from ddpjob_operator import contract
@@ -32,13 +33,12 @@ def next_delay(
         raise ValueError(
             f"need initial > 0, factor >= 1, cap >= initial; got {initial}, {factor}, {cap}"
         )
-    # Stop multiplying once over the cap so huge attempt numbers cannot overflow.
-    delay = initial
-    for _ in range(attempt):
-        delay *= factor
-        if delay >= cap:
-            return cap
-    return min(delay, cap)
+    if factor == 1:
+        return initial
+    # Past this attempt the delay is at the cap; checking first avoids overflowing factor**n.
+    if attempt >= math.log(cap / initial, factor):
+        return cap
+    return min(initial * factor**attempt, cap)
 
 
 def backoff_delays(

@@ -1,0 +1,212 @@
+"""The agent's pure decisions: backoff, the monitor-loop decision, the refund rule, settings."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from ddpjob_worker.policy import (
+    DEFAULT_GRACE_SECONDS,
+    DEFAULT_JOIN_TIMEOUT,
+    Action,
+    Budget,
+    WorkerStatus,
+    backoff_delays,
+    decide,
+    is_membership_change,
+    next_delay,
+    resolve_settings,
+    split_endpoint,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+
+@pytest.mark.parametrize(
+    ("attempt", "expected"),
+    [(0, 0.1), (1, 0.2), (2, 0.4), (3, 0.8), (4, 1.6), (5, 2.0), (50, 2.0), (10**6, 2.0)],
+)
+def test_next_delay_doubles_up_to_the_cap(attempt: int, expected: float) -> None:
+    assert next_delay(attempt) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"attempt": -1}, "attempt must be >= 0"),
+        ({"attempt": 0, "initial": 0}, "need initial > 0"),
+        ({"attempt": 0, "factor": 0.5}, "factor >= 1"),
+        ({"attempt": 0, "initial": 3, "cap": 2}, "cap >= initial"),
+    ],
+)
+def test_next_delay_rejects_bad_parameters(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        next_delay(**kwargs)  # type: ignore[arg-type]
+
+
+@given(
+    total=st.floats(min_value=0.0, max_value=600.0),
+    initial=st.floats(min_value=0.01, max_value=1.0),
+    factor=st.floats(min_value=1.0, max_value=4.0),
+)
+def test_backoff_schedule_fits_the_budget_and_never_shrinks(
+    total: float, initial: float, factor: float
+) -> None:
+    delays = list(backoff_delays(total, initial=initial, factor=factor, cap=2.0))
+    assert sum(delays) == pytest.approx(total, abs=1e-6)
+    assert all(0 < d <= 2.0 for d in delays)
+    # Non-decreasing, except the last one which is cut to fit.
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(delays[:-1]))
+
+
+@pytest.mark.parametrize(
+    ("status", "remaining", "waiting", "store_lost", "expected"),
+    [
+        (WorkerStatus.HEALTHY, 3, 0, False, Action.CONTINUE),
+        (WorkerStatus.HEALTHY, 3, 1, False, Action.RESTART_FREE),
+        (WorkerStatus.HEALTHY, 0, 2, False, Action.RESTART_FREE),
+        (WorkerStatus.HEALTHY, 3, 0, True, Action.RESTART_FREE),
+        (WorkerStatus.FAILED, 3, 0, False, Action.RESTART_CHARGED),
+        (WorkerStatus.FAILED, 1, 5, False, Action.RESTART_CHARGED),
+        (WorkerStatus.FAILED, 0, 0, False, Action.GIVE_UP),
+        (WorkerStatus.FAILED, 0, 0, True, Action.RESTART_FREE),
+        (WorkerStatus.SUCCEEDED, 0, 3, True, Action.FINISH),
+    ],
+)
+def test_decide(
+    status: WorkerStatus, remaining: int, waiting: int, store_lost: bool, expected: Action
+) -> None:
+    assert (
+        decide(status, remaining_restarts=remaining, nodes_waiting=waiting, store_lost=store_lost)
+        is expected
+    )
+
+
+@given(
+    status=st.sampled_from(WorkerStatus),
+    remaining=st.integers(min_value=0, max_value=10),
+    waiting=st.integers(min_value=0, max_value=10),
+    store_lost=st.booleans(),
+)
+def test_only_a_worker_failure_is_ever_charged(
+    status: WorkerStatus, remaining: int, waiting: int, store_lost: bool
+) -> None:
+    action = decide(status, remaining_restarts=remaining, nodes_waiting=waiting, store_lost=store_lost)
+    if action in {Action.RESTART_CHARGED, Action.GIVE_UP}:
+        assert status is WorkerStatus.FAILED
+        assert not store_lost
+    if action is Action.RESTART_CHARGED:
+        assert remaining > 0
+
+
+@pytest.mark.parametrize(
+    ("previous", "new", "recovered", "refund"),
+    [
+        (None, 2, False, False),  # the first round: nothing to compare with
+        (3, 2, False, True),  # a peer left: our failure was its doing
+        (2, 2, False, False),  # same size: a worker really failed
+        (2, 3, False, False),  # grew: not a loss
+        (2, 2, True, True),  # the store host came back: a membership change
+        (None, 2, True, True),
+    ],
+)
+def test_refund_rule(previous: int | None, new: int, recovered: bool, refund: bool) -> None:
+    assert (
+        is_membership_change(previous_nodes=previous, new_nodes=new, store_recovered=recovered)
+        is refund
+    )
+
+
+def test_budget_charge_refund_and_free() -> None:
+    budget = Budget(max_restarts=2)
+    budget = budget.charge().charge()
+    assert (budget.restart_count, budget.remaining) == (2, 0)
+    with pytest.raises(ValueError, match="no restarts left of 2"):
+        budget.charge()
+    budget = budget.refund().free_restart()
+    assert (budget.restart_count, budget.remaining, budget.membership_restarts) == (1, 1, 2)
+    with pytest.raises(ValueError, match="nothing to refund"):
+        Budget(max_restarts=1).refund()
+
+
+@given(st.lists(st.sampled_from(["charge", "refund", "free"]), max_size=40))
+def test_budget_never_goes_negative(ops: list[str]) -> None:
+    budget = Budget(max_restarts=3)
+    for op in ops:
+        if op == "charge" and budget.remaining > 0:
+            budget = budget.charge()
+        elif op == "refund" and budget.restart_count > 0:
+            budget = budget.refund()
+        elif op == "free":
+            budget = budget.free_restart()
+        assert 0 <= budget.restart_count <= 3
+        assert budget.remaining == 3 - budget.restart_count
+
+
+@pytest.mark.parametrize(
+    ("conf", "env", "grace_flag", "expected"),
+    [
+        ({}, {}, None, (None, DEFAULT_JOIN_TIMEOUT, DEFAULT_GRACE_SECONDS, None)),
+        ({"is_host": "true", "join_timeout": "30"}, {}, None, (True, 30.0, 25.0, None)),
+        ({}, {"DDPJOB_RDZV_HOST": "1"}, None, (True, 600.0, 25.0, None)),
+        ({}, {"DDPJOB_RDZV_HOST": "0"}, None, (False, 600.0, 25.0, None)),
+        # The conf is what torch acts on, so it wins over our env.
+        ({"is_host": "false"}, {"DDPJOB_RDZV_HOST": "1"}, None, (False, 600.0, 25.0, None)),
+        ({}, {"DDPJOB_GRACE_SECONDS": "7", "DDPJOB_STATE_FILE": "/s.json"}, None,
+         (None, 600.0, 7.0, "/s.json")),
+        ({}, {"DDPJOB_GRACE_SECONDS": "7"}, 3.0, (None, 600.0, 3.0, None)),
+    ],
+)
+def test_resolve_settings(
+    conf: dict[str, str],
+    env: dict[str, str],
+    grace_flag: float | None,
+    expected: tuple[bool | None, float, float, str | None],
+) -> None:
+    settings = resolve_settings(conf, env, grace_flag=grace_flag)
+    assert (
+        settings.is_host,
+        settings.join_timeout,
+        settings.grace_seconds,
+        settings.state_file,
+    ) == expected
+
+
+@pytest.mark.parametrize(
+    ("conf", "env", "message"),
+    [
+        ({"is_host": "maybe"}, {}, "'maybe' is not a boolean"),
+        ({"join_timeout": "soon"}, {}, "join_timeout='soon' is not a number"),
+        ({}, {"DDPJOB_GRACE_SECONDS": "-1"}, "DDPJOB_GRACE_SECONDS='-1' must not be negative"),
+    ],
+)
+def test_resolve_settings_names_the_bad_value(
+    conf: dict[str, str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_settings(conf, env)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("pod-0.svc:29400", ("pod-0.svc", 29400)),
+        ("127.0.0.1:1234", ("127.0.0.1", 1234)),
+        ("host", ("host", 29400)),
+        ("[::1]:5", ("::1", 5)),
+        ("[fe80::1]", ("fe80::1", 29400)),
+        (" h:0 ", ("h", 0)),
+    ],
+)
+def test_split_endpoint(endpoint: str, expected: tuple[str, int]) -> None:
+    assert split_endpoint(endpoint) == expected
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [("", "endpoint is empty"), ("h:x", "non-numeric port 'x'"), ("h:70000", "outside 0-65535"),
+     ("[::1", "unclosed")],
+)
+def test_split_endpoint_errors(endpoint: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        split_endpoint(endpoint)

@@ -1,0 +1,158 @@
+"""The state file, the readiness probe and the endpoint waiter: no torch, no real network."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ddpjob_worker import probe
+from ddpjob_worker.endpoint import wait_for_endpoint
+from ddpjob_worker.errors import EndpointUnreachableError
+from ddpjob_worker.state import (
+    AgentState,
+    Failure,
+    Phase,
+    StateWriter,
+    is_ready,
+    read_state,
+    write_state,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+failures = st.none() | st.builds(
+    Failure,
+    reason=st.text(max_size=30),
+    exit_code=st.none() | st.integers(-64, 255),
+    rank=st.none() | st.integers(0, 64),
+    at=st.floats(0, 2e9),
+)
+states = st.builds(
+    AgentState,
+    phase=st.sampled_from(Phase),
+    pid=st.integers(1, 2**22),
+    updated_at=st.floats(0, 2e9),
+    rdzv_round=st.integers(0, 100),
+    world_size=st.none() | st.integers(1, 1024),
+    node_rank=st.none() | st.integers(0, 128),
+    restart_count=st.integers(0, 10),
+    membership_restarts=st.integers(0, 10),
+    last_failure=failures,
+)
+
+
+@given(states)
+def test_state_round_trips_through_json(state: AgentState) -> None:
+    assert AgentState.from_json(state.to_json()) == state
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[]", "must be a JSON object"),
+        ("{", "not JSON"),
+        ('{"pid": 1, "updated_at": 0}', "no 'phase'"),
+        ('{"phase": "dancing", "pid": 1, "updated_at": 0}', "unknown phase 'dancing'"),
+        ('{"phase": "running", "pid": 1, "updated_at": 0, "colour": 1}', "unknown fields"),
+        ('{"phase": "running"}', "incomplete"),
+    ],
+)
+def test_from_json_names_the_problem(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AgentState.from_json(text)
+
+
+def test_write_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "state.json"
+    write_state(path, AgentState(phase=Phase.RUNNING, pid=1, updated_at=5.0))
+    write_state(path, AgentState(phase=Phase.STOPPED, pid=1, updated_at=6.0))
+    assert read_state(path).phase is Phase.STOPPED
+    assert [p.name for p in path.parent.iterdir()] == ["state.json"]
+
+
+def test_writer_updates_the_file_and_survives_an_unwritable_path(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    writer = StateWriter(str(path), max_restarts=3, pid=42)
+    writer.update(phase=Phase.RUNNING, world_size=4)
+    assert json.loads(path.read_text())["world_size"] == 4
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    broken = StateWriter(str(blocked / "s.json"))
+    assert broken.update(phase=Phase.RUNNING).phase is Phase.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("phase", "age", "ready"),
+    [(Phase.RUNNING, 1.0, True), (Phase.RUNNING, 31.0, False), (Phase.RECOVERING, 1.0, False),
+     (Phase.SUCCEEDED, 0.0, False)],
+)
+def test_is_ready(phase: Phase, age: float, ready: bool) -> None:
+    state = AgentState(phase=phase, pid=1, updated_at=100.0)
+    assert is_ready(state, max_age=30.0, now=100.0 + age) is ready
+
+
+def test_probe_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "s.json"
+    assert probe.main(["--state-file", str(path)]) == probe.EXIT_NO_STATE
+    writer = StateWriter(str(path))
+    writer.update(phase=Phase.RENDEZVOUS)
+    assert probe.main(["--state-file", str(path)]) == probe.EXIT_NOT_READY
+    writer.update(phase=Phase.RUNNING)
+    assert probe.main(["--state-file", str(path)]) == probe.EXIT_READY
+    assert probe.main(["--state-file", str(path), "--max-age", "-1"]) == probe.EXIT_NOT_READY
+    assert "ready: phase=running" in capsys.readouterr().out
+
+
+def test_light_paths_never_import_torch(tmp_path: Path) -> None:
+    """``import ddpjob_worker`` and the probe must stay cheap: no torch."""
+    code = (
+        "import sys, ddpjob_worker, ddpjob_worker.probe, ddpjob_worker.state, "
+        "ddpjob_worker.policy, ddpjob_worker.endpoint\n"
+        "from ddpjob_worker.cli import main\n"
+        f"rc = main(['--probe', '--state-file', {str(tmp_path / 'none.json')!r}])\n"
+        "assert rc == 3, rc\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_wait_for_endpoint_retries_with_backoff_until_it_connects() -> None:
+    fake = FakeTime()
+    answers = iter(["DNS lookup of 'pod-0' failed", "TCP connect failed", None])
+    probe_result = wait_for_endpoint(
+        "pod-0", 29400, 10, connect=lambda h, p, t: next(answers), clock=fake.clock,
+        sleep=fake.sleep,
+    )
+    assert probe_result.attempts == 3
+    assert fake.sleeps == pytest.approx([0.1, 0.2])
+
+
+def test_wait_for_endpoint_gives_up_at_the_deadline_naming_what_it_tried() -> None:
+    fake = FakeTime()
+    with pytest.raises(EndpointUnreachableError) as info:
+        wait_for_endpoint(
+            "pod-0.svc", 29400, 5, connect=lambda h, p, t: "DNS lookup of 'pod-0.svc' failed",
+            clock=fake.clock, sleep=fake.sleep, join_timeout=600,
+        )
+    message = str(info.value)
+    assert "pod-0.svc:29400 is unreachable" in message
+    assert "over 5.0s (join timeout 600s)" in message
+    assert "last error: DNS lookup of 'pod-0.svc' failed" in message
+    assert fake.now == pytest.approx(5.0)
+    assert info.value.exit_code == 69
