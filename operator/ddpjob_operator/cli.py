@@ -6,13 +6,16 @@ Exit codes: 0 success, 1 the job failed, 2 bad input (file, YAML, spec, command 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
 from ddpjob_operator import crd
-from ddpjob_operator.errors import DDPJobError
+from ddpjob_operator.errors import DDPJobError, ManifestError
+from ddpjob_operator.local.options import add_run_arguments
 from ddpjob_operator.manifest import load_job_file
 
 EXIT_OK = 0
@@ -49,6 +52,35 @@ def _run(args: argparse.Namespace) -> int:
     return run_job(args)
 
 
+_REPLICAS_LINE = re.compile(r"^(?P<indent>[ \t]+)replicas:[ \t]*[0-9]+[ \t]*(?P<rest>#.*)?$", re.M)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    """Set ``spec.replicas`` in a manifest, keeping its comments. ``ddpjob run`` follows it."""
+    path = Path(args.file)
+    job = load_job_file(path)
+    text = path.read_text(encoding="utf-8")
+    match = _REPLICAS_LINE.search(text)
+    if match is None:
+        raise ManifestError(f"{path}: found no 'replicas: N' line under spec to edit")
+    spec = job.spec
+    if not spec.effective_min <= args.replicas <= spec.effective_max:
+        raise ManifestError(
+            f"{path}: replicas {args.replicas} is outside minReplicas..maxReplicas "
+            f"({spec.effective_min}..{spec.effective_max}): "
+            "raise maxReplicas or lower minReplicas first"
+        )
+    line = f"{match.group('indent')}replicas: {args.replicas}"
+    if match.group("rest"):
+        line += f" {match.group('rest')}"
+    edited = text[: match.start()] + line + text[match.end() :]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(edited, encoding="utf-8")
+    tmp.replace(path)
+    print(f"{path}: spec.replicas {spec.replicas} -> {args.replicas}")
+    return EXIT_OK
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ddpjob", description="Elastic PyTorch DDP jobs.")
     verbs = top.add_subparsers(dest="verb", required=True)
@@ -57,6 +89,15 @@ def parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=_validate)
     show = verbs.add_parser("crd", help="print the CustomResourceDefinition")
     show.set_defaults(func=_crd)
+    run = verbs.add_parser("run", help="run a DDPJob on this machine, no cluster needed")
+    add_run_arguments(run)
+    run.set_defaults(func=_run)
+    scale = verbs.add_parser(
+        "scale", help="set spec.replicas in a manifest (a running job follows)"
+    )
+    scale.add_argument("file", metavar="FILE")
+    scale.add_argument("replicas", type=int, metavar="N")
+    scale.set_defaults(func=_scale)
     return top
 
 

@@ -1,0 +1,337 @@
+"""``ddpjob run job.yaml``: run a DDPJob on this machine with the operator's own core.
+
+The loop is the operator's: observe the pods, ``reconcile()``, keep the new status, carry out
+the actions. Only the executor differs: a pod is a local process tree (:mod:`.pods`), the
+Service and pod DNS names are 127.0.0.1, and the rendezvous port is a free one, so several jobs
+can run side by side.
+
+Scaling: edit ``spec.replicas`` in the manifest while the job runs (or run
+``ddpjob scale FILE N``). The runner re-reads the file when it changes; an invalid edit is
+reported and ignored. Chaos: ``--chaos SECONDS`` SIGKILLs a random pod's whole process tree
+(the master included) at about that interval, as a lost node would be, and the job recovers
+through the same reconcile logic.
+
+Exit codes: 0 the job succeeded, 1 it failed, 2 bad input, 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import os
+import random
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import psutil
+
+from ddpjob_operator import api, builders
+from ddpjob_operator.errors import DDPJobError
+from ddpjob_operator.local.pods import (
+    LocalPod,
+    become_subreaper,
+    pod_argv,
+    pod_env,
+    signal_all,
+    start_pod,
+)
+from ddpjob_operator.local.view import View, make_view
+from ddpjob_operator.manifest import load_job_file
+from ddpjob_operator.observe import Reason
+from ddpjob_operator.reconcile import (
+    CreatePod,
+    DeleteJob,
+    DeletePod,
+    Observed,
+    desired_replicas,
+    reconcile,
+)
+
+EXIT_SUCCEEDED = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+TICK_SECONDS = 0.2
+CHAOS_REASON = "NodeLost (ddpjob run --chaos)"
+_STEP = re.compile(rb"DDPJOB step=(\d+)")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the runner learns from the pods' logs and agents, for the view and the summary."""
+
+    step: int | None = None
+    offsets: dict[Path, int] = dataclasses.field(default_factory=dict)
+    agent_restarts: dict[str, int] = dataclasses.field(default_factory=dict)
+    recovery_seconds: float = 0.0
+    was_whole: bool = False
+    last_tick: float = 0.0
+
+    def scan(self, pod: LocalPod) -> None:
+        offset = self.offsets.get(pod.log_path, 0)
+        try:
+            with pod.log_path.open("rb") as log:
+                log.seek(offset)
+                chunk = log.read()
+        except OSError:
+            return
+        last_line_end = chunk.rfind(b"\n") + 1
+        self.offsets[pod.log_path] = offset + last_line_end
+        for match in _STEP.finditer(chunk[:last_line_end]):
+            self.step = max(self.step or 0, int(match.group(1)))
+        state = pod.agent_state()
+        restarts = state.get("restart_count")
+        if isinstance(restarts, int):
+            self.agent_restarts[pod.uid] = max(self.agent_restarts.get(pod.uid, 0), restarts)
+
+
+class LocalRunner:
+    def __init__(self, job: api.DDPJob, manifest: Path, args: argparse.Namespace) -> None:
+        self.manifest = manifest.resolve()
+        self.job = job.model_copy(
+            update={"metadata": job.metadata.model_copy(update={"uid": f"local-{os.getpid()}"})}
+        )
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        default_dir = Path(".ddpjob") / "runs" / f"{job.name}-{stamp}-{os.getpid()}"
+        self.run_dir = Path(args.run_dir or default_dir).resolve()
+        self.network = builders.Network(
+            rdzv_host="127.0.0.1", rdzv_port=free_port(), state_dir=str(self.run_dir / "state")
+        )
+        self.chaos_interval: float | None = args.chaos
+        self.chaos_left: int = args.chaos_kills
+        self.random = random.Random(args.seed)  # noqa: S311 - chaos timing, not cryptography
+        self.pods: dict[str, LocalPod] = {}
+        self.attempts: dict[int, int] = {}
+        self.progress = Progress()
+        self.view: View = make_view(plain=args.plain)
+        self.interrupts = 0
+        self.mtime = self.manifest.stat().st_mtime
+        self.started = time.monotonic()
+        self.next_chaos = self._chaos_due(self.started)
+        bin_dir = str(Path(sys.executable).parent)
+        self.base_env = {
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONUNBUFFERED": "1",
+            "DDPJOB_RUN_DIR": str(self.run_dir),
+            "DDPJOB_CKPT_DIR": os.environ.get("DDPJOB_CKPT_DIR", str(self.run_dir / "ckpt")),
+        }
+
+    # ---- set-up and bad input ------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Resolve pod 0's env and command now: bad input fails before anything starts."""
+        pod = builders.build_pod(self.job, 0, self.network)
+        pod_argv(pod, pod_env(pod, self.base_env))
+
+    def _chaos_due(self, now: float) -> float | None:
+        if self.chaos_interval is None:
+            return None
+        return now + self.chaos_interval * self.random.uniform(0.7, 1.3)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for sub in ("logs", "state", "ckpt"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        become_subreaper()
+        self.view.start(self.job, self.run_dir)
+        with self._signals():
+            try:
+                return self._loop()
+            finally:
+                self._kill_everything()
+                self.view.stop()
+
+    def _loop(self) -> int:
+        while True:
+            now = time.monotonic()
+            if self.interrupts:
+                if self._stopping(now):
+                    self.view.message("interrupted: every process of the job is stopped")
+                    return EXIT_INTERRUPTED
+                time.sleep(TICK_SECONDS)
+                continue
+            self._reload_manifest()
+            decision = reconcile(self.job, self._observe(), dt.datetime.now(dt.UTC), self.network)
+            self.job = self.job.model_copy(update={"status": decision.status})  # the one write
+            for action in decision.actions:
+                self._execute(action, now)
+            for event in decision.events:
+                self.view.event(event)
+            self._chaos(now)
+            self._reap(now)
+            self._account_progress(now)
+            self.view.update(self.job, self.pods, self.progress, now - self.started)
+            if self.job.status.phase.is_finished and not self.pods_alive():
+                return self._finish(now)
+            time.sleep(TICK_SECONDS)
+
+    def _observe(self) -> Observed:
+        return Observed(tuple(pod.observe() for pod in self.pods.values()), service=True)
+
+    def _execute(self, action: Any, now: float) -> None:
+        if isinstance(action, CreatePod):
+            attempt = self.attempts.get(action.index, 0)
+            self.attempts[action.index] = attempt + 1
+            self.pods[action.name] = start_pod(
+                action.pod,
+                action.index,
+                base_env=self.base_env,
+                cwd=self.manifest.parent,
+                log_dir=self.run_dir / "logs",
+                attempt=attempt,
+            )
+        elif isinstance(action, DeletePod):
+            pod = self.pods.get(action.name)
+            if pod is not None and pod.uid == action.uid:
+                pod.terminate(now)
+        elif isinstance(action, DeleteJob):
+            pass  # a local job is gone when the run ends
+
+    def _reap(self, now: float) -> None:
+        for name, pod in list(self.pods.items()):
+            if pod.reap(now) and pod.deleting_since is not None:
+                pod.close()
+                del self.pods[name]
+
+    def pods_alive(self) -> bool:
+        return any(pod.all_processes() for pod in self.pods.values())
+
+    def _account_progress(self, now: float) -> None:
+        for pod in self.pods.values():
+            self.progress.scan(pod)
+        status = self.job.status
+        whole = status.ready_replicas >= desired_replicas(self.job.spec)
+        completing = any(p.exit_code == 0 for p in self.pods.values())
+        if (
+            self.progress.was_whole
+            and not whole
+            and not completing
+            and not status.phase.is_finished
+        ):
+            self.progress.recovery_seconds += now - self.progress.last_tick
+        self.progress.was_whole = self.progress.was_whole or whole
+        self.progress.last_tick = now
+
+    # ---- scaling by editing the manifest ------------------------------------------------
+
+    def _reload_manifest(self) -> None:
+        try:
+            mtime = self.manifest.stat().st_mtime
+        except OSError:
+            return
+        if mtime == self.mtime:
+            return
+        self.mtime = mtime
+        try:
+            edited = load_job_file(self.manifest)
+        except DDPJobError as exc:
+            self.view.message(f"ignoring the edit of {self.manifest}: {exc}")
+            return
+        old = self.job.spec
+        if edited.spec.replicas != old.replicas:
+            self.view.message(f"spec.replicas changed: {old.replicas} -> {edited.spec.replicas}")
+        self.job = self.job.model_copy(update={"spec": edited.spec})
+
+    # ---- chaos ---------------------------------------------------------------------------------
+
+    def _chaos(self, now: float) -> None:
+        if self.next_chaos is None or now < self.next_chaos or self.chaos_left <= 0:
+            return
+        self.next_chaos = self._chaos_due(now)
+        if any(p.exit_code == 0 for p in self.pods.values()):
+            return  # completing: nothing left to disrupt
+        victims = [
+            p for p in self.pods.values() if p.exit_code is None and p.deleting_since is None
+        ]
+        if not victims:
+            return
+        victim = self.random.choice(sorted(victims, key=lambda p: p.index))
+        self.chaos_left -= 1
+        victim.disruption = Reason.NODE_LOST.value
+        self.view.message(f"chaos: SIGKILL the process tree of {victim.name} (a lost node)")
+        victim.kill()
+
+    # ---- stopping --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        def interrupt(signum: int, _: FrameType | None) -> None:
+            self.interrupts += 1
+            if self.interrupts == 1:
+                self.view.message("stopping: SIGTERM to every pod (Ctrl-C again to kill now)")
+                for pod in self.pods.values():
+                    pod.terminate(time.monotonic())
+            else:
+                for pod in self.pods.values():
+                    pod.kill()
+
+        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _stopping(self, now: float) -> bool:
+        for pod in self.pods.values():
+            pod.reap(now)
+        return not self.pods_alive()
+
+    def _kill_everything(self) -> None:
+        for pod in self.pods.values():
+            pod.kill()
+            with contextlib.suppress(OSError):
+                pod.process.wait(timeout=5)
+            pod.close()
+        with contextlib.suppress(psutil.Error):
+            orphans = psutil.Process().children(recursive=True)
+            signal_all(orphans, signal.SIGKILL)
+            psutil.wait_procs(orphans, timeout=5)
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def _finish(self, now: float) -> int:
+        status = self.job.status
+        failures = status.failures
+        lines = [
+            f"DDPJob {self.job.name} {status.phase.value} in {now - self.started:.1f}s",
+            f"  pods replaced: {status.restarts}"
+            + (f" ({', '.join(f'{f.pod} {f.reason}' for f in failures)})" if failures else ""),
+            f"  worker restarts inside pods: {sum(self.progress.agent_restarts.values())}",
+            f"  time lost to recovery: {self.progress.recovery_seconds:.1f}s",
+            f"  last step: {self.progress.step if self.progress.step is not None else 'none seen'}",
+            f"  logs: {self.run_dir / 'logs'}",
+        ]
+        if status.phase is api.JobPhase.FAILED:
+            condition = next((c for c in status.conditions if c.type == "Failed"), None)
+            if condition is not None:
+                lines.insert(1, f"  reason: {condition.reason}: {condition.message}")
+            for failure in failures[-3:]:
+                lines.append(f"  {failure.pod} failed with {failure.reason}: {failure.message}")
+        self.view.summary("\n".join(lines), ok=status.phase is api.JobPhase.SUCCEEDED)
+        return EXIT_SUCCEEDED if status.phase is api.JobPhase.SUCCEEDED else EXIT_FAILED
+
+
+def run_job(args: argparse.Namespace) -> int:
+    manifest = Path(args.manifest)
+    job = load_job_file(manifest)
+    runner = LocalRunner(job, manifest, args)
+    runner.preflight()
+    return runner.run()

@@ -1,0 +1,300 @@
+"""`ddpjob run` end to end: real processes, real torch (gloo on CPU), real SIGKILLs.
+
+Each test runs the `ddpjob` CLI as a user would, drives it (kills pods, edits the manifest,
+sends Ctrl-C), and asserts on exit codes, the summary, and the training script's step logs.
+No test sleeps blindly: every wait polls for a log line or an exit, with a bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "train.py"
+BIN = Path(sys.executable).parent
+DDPJOB = shutil.which("ddpjob", path=str(BIN)) or "ddpjob"
+STEP = re.compile(r"DDPJOB step=(\d+) rank=(\d+) world=(\d+)")
+RESUME = re.compile(r"DDPJOB resume step=(\d+) rank=(\d+) world=(\d+)")
+
+pytestmark = pytest.mark.slow
+
+
+def manifest(
+    tmp: Path,
+    *,
+    replicas: int = 2,
+    low: int = 1,
+    high: int = 3,
+    steps: int = 120,
+    ckpt_every: int = 10,
+    sleep: float = 0.05,
+    extra_args: tuple[str, ...] = (),
+    command: str = "ddpjob-agent",
+    **spec: Any,
+) -> Path:
+    document = {
+        "apiVersion": "ddpjob.io/v1alpha1",
+        "kind": "DDPJob",
+        "metadata": {"name": "itest"},
+        "spec": {
+            "replicas": replicas,
+            "minReplicas": low,
+            "maxReplicas": high,
+            "nprocPerNode": 1,
+            "maxRestarts": 3,
+            "backoffLimit": 3,
+            **spec,
+            "template": {
+                "spec": {
+                    "terminationGracePeriodSeconds": 10,
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": "unused-locally",
+                            "command": [command],
+                            "args": [
+                                str(TRAIN),
+                                "--steps",
+                                str(steps),
+                                "--ckpt-every",
+                                str(ckpt_every),
+                                "--step-sleep",
+                                str(sleep),
+                                *extra_args,
+                            ],
+                        }
+                    ],
+                }
+            },
+        },
+    }
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+class Run:
+    """One `ddpjob run` process and its run directory."""
+
+    def __init__(self, path: Path, run_dir: Path, *extra: str) -> None:
+        self.run_dir = run_dir
+        self.out = (run_dir.parent / "ddpjob-run.out").open("w+")
+        self.process = subprocess.Popen(
+            [DDPJOB, "run", str(path), "--plain", "--run-dir", str(run_dir), *extra],
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        self.out.flush()
+        return Path(self.out.name).read_text()
+
+    def logs(self) -> dict[str, str]:
+        logs = sorted((self.run_dir / "logs").glob("*.log"), key=lambda p: p.stat().st_mtime)
+        return {p.name: p.read_text(errors="replace") for p in logs}
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        found: list[tuple[int, int, int]] = []
+        for text in self.logs().values():
+            found += [tuple(map(int, m.groups())) for m in STEP.finditer(text)]  # type: ignore[misc]
+        return found
+
+    def max_step(self) -> int:
+        return max((s for s, _, _ in self.steps()), default=-1)
+
+    def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if check():
+                return
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"ddpjob run exited ({self.process.returncode}) before {what}:\n{self.output()}"
+                )
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.output()}")
+
+    def wait(self, timeout: float = 150) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"ddpjob run did not finish in {timeout}s:\n{self.output()}"
+            ) from None
+
+    def pod_processes(self, index: int) -> list[psutil.Process]:
+        """The pod's whole tree: the trainer command and every descendant."""
+        for child in psutil.Process(self.process.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if child.environ().get("DDPJOB_POD_INDEX") == str(index):
+                    return [child, *child.children(recursive=True)]
+        raise AssertionError(f"pod {index} is not running")
+
+    def kill_pod(self, index: int) -> None:
+        for process in self.pod_processes(index):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Processes, anywhere on the machine, that were started for this run."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("DDPJOB_RUN_DIR") == str(run_dir):
+                found.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])}")
+    return found
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+
+    def _start(path: Path, *extra: str) -> Run:
+        run = Run(path, tmp_path / "run", *extra)
+        runs.append(run)
+        return run
+
+    yield _start
+    for run in runs:
+        if run.process.poll() is None:
+            os.killpg(run.process.pid, signal.SIGKILL)
+            run.process.wait()
+        for line in leftovers(run.run_dir):
+            pid = int(line.split(":")[0])
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        run.out.close()
+
+
+def assert_clean_finish(run: Run, code: int) -> None:
+    assert run.wait() == code, run.output()
+    assert leftovers(run.run_dir) == [], "processes outlived ddpjob run"
+
+
+def test_two_node_job_succeeds(tmp_path: Path, start: Callable[..., Run]) -> None:
+    run = start(manifest(tmp_path, steps=40, sleep=0.0))
+    assert_clean_finish(run, 0)
+    out = run.output()
+    assert "DDPJob itest Succeeded" in out
+    assert "pods replaced: 0" in out
+    assert {(s, r) for s, r, w in run.steps() if w == 2} >= {(39, 0), (39, 1)}
+    assert (tmp_path / "run" / "ckpt" / "latest.pt").exists()
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker-pod", "master-pod"])
+def test_killed_pod_is_replaced_and_training_resumes(
+    tmp_path: Path, start: Callable[..., Run], victim: int
+) -> None:
+    every = 10
+    run = start(manifest(tmp_path, steps=150, ckpt_every=every))
+    run.wait_for("step 45", lambda: run.max_step() >= 45)
+    before = run.max_step()
+    run.kill_pod(victim)
+    assert_clean_finish(run, 0)
+    out = run.output()
+    assert "DDPJob itest Succeeded" in out
+    assert f"pods replaced: 1 (itest-worker-{victim} ExitCode(137))" in out
+    replacement = run.logs()[f"itest-worker-{victim}.1.log"]
+    resumed = [int(m.group(1)) for m in RESUME.finditer(replacement)]
+    assert resumed, replacement
+    # At most one checkpoint interval is redone (plus the steps in flight when it died).
+    assert before - resumed[0] <= every + 1, (before, resumed)
+    assert {(149, 0), (149, 1)} <= {(s, r) for s, r, _ in run.steps()}
+
+
+def test_scale_up_and_down_while_running(tmp_path: Path, start: Callable[..., Run]) -> None:
+    path = manifest(tmp_path, steps=260, ckpt_every=10)
+    run = start(path)
+    run.wait_for("step 20", lambda: run.max_step() >= 20)
+    scale = [DDPJOB, "scale", str(path)]
+    assert subprocess.run([*scale, "3"], check=False, capture_output=True).returncode == 0
+    run.wait_for("world 3", lambda: any(w == 3 for _, _, w in run.steps()), timeout=120)
+    grown = run.max_step()
+    assert subprocess.run([*scale, "2"], check=False, capture_output=True).returncode == 0
+    run.wait_for(
+        "world 2 again", lambda: any(w == 2 and s > grown for s, _, w in run.steps()), timeout=120
+    )
+    assert_clean_finish(run, 0)
+    out = run.output()
+    assert "spec.replicas changed: 2 -> 3" in out
+    assert "spec.replicas changed: 3 -> 2" in out
+    assert "DDPJob itest Succeeded" in out
+    assert "pods replaced: 0" in out
+
+
+def test_always_crashing_job_fails_after_backoff_limit(
+    tmp_path: Path, start: Callable[..., Run]
+) -> None:
+    path = manifest(tmp_path, extra_args=("--crash-always",), maxRestarts=0, backoffLimit=2)
+    run = start(path)
+    assert_clean_finish(run, 1)
+    out = run.output()
+    assert "DDPJob itest Failed" in out
+    assert "BackoffLimitExceeded" in out
+    assert "ExitCode(1)" in out
+    assert str(tmp_path / "run" / "logs") in out
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path, start: Callable[..., Run]) -> None:
+    run = start(manifest(tmp_path, steps=10_000))
+    run.wait_for("training", lambda: run.max_step() >= 5)
+    run.process.send_signal(signal.SIGINT)
+    assert_clean_finish(run, 130)
+    assert "interrupted" in run.output()
+
+
+def test_second_ctrl_c_forces(tmp_path: Path, start: Callable[..., Run]) -> None:
+    run = start(manifest(tmp_path, steps=10_000))
+    run.wait_for("training", lambda: run.max_step() >= 5)
+    run.process.send_signal(signal.SIGINT)
+    run.process.send_signal(signal.SIGINT)
+    assert_clean_finish(run, 130)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "no such file"),
+        ("yaml", "malformed YAML"),
+        ("spec", "spec: minReplicas (3) must be <= replicas (2)"),
+        ("command", "'no-such-trainer' is not a command on this machine"),
+    ],
+)
+def test_bad_input_exits_2_and_starts_nothing(tmp_path: Path, case: str, message: str) -> None:
+    path = tmp_path / "job.yaml"
+    if case == "yaml":
+        path.write_text("spec: {replicas: [\n")
+    elif case == "spec":
+        manifest(tmp_path, low=3)
+    elif case == "command":
+        manifest(tmp_path, command="no-such-trainer")
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [DDPJOB, "run", str(path), "--plain", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert leftovers(run_dir) == []
+    assert not (run_dir / "logs").exists() or not any((run_dir / "logs").iterdir())
