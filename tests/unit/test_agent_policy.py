@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 @pytest.mark.parametrize(
     ("attempt", "expected"),
-    [(0, 0.1), (1, 0.2), (2, 0.4), (3, 0.8), (4, 1.6), (5, 2.0), (50, 2.0), (10**6, 2.0)],
+    [(0, 0.05), (1, 0.1), (2, 0.2), (3, 0.4), (4, 0.5), (50, 0.5), (10**6, 0.5)],
 )
 def test_next_delay_doubles_up_to_the_cap(attempt: int, expected: float) -> None:
     assert next_delay(attempt) == pytest.approx(expected)
@@ -37,6 +37,7 @@ def test_next_delay_doubles_up_to_the_cap(attempt: int, expected: float) -> None
         ({"attempt": 0, "initial": 0}, "need initial > 0"),
         ({"attempt": 0, "factor": 0.5}, "factor >= 1"),
         ({"attempt": 0, "initial": 3, "cap": 2}, "cap >= initial"),
+        ({"attempt": 0, "initial": 3}, "cap >= initial"),
     ],
 )
 def test_next_delay_rejects_bad_parameters(kwargs: dict[str, float], message: str) -> None:

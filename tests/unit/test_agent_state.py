@@ -140,7 +140,7 @@ def test_wait_for_endpoint_retries_with_backoff_until_it_connects() -> None:
         sleep=fake.sleep,
     )
     assert probe_result.attempts == 3
-    assert fake.sleeps == pytest.approx([0.1, 0.2])
+    assert fake.sleeps == pytest.approx([0.05, 0.1])
 
 
 def test_wait_for_endpoint_gives_up_at_the_deadline_naming_what_it_tried() -> None:

@@ -24,9 +24,13 @@ DEFAULT_HEARTBEAT_SECONDS = 5.0
 
 
 def next_delay(
-    attempt: int, *, initial: float = 0.1, factor: float = 2.0, cap: float = 2.0
+    attempt: int, *, initial: float = 0.05, factor: float = 2.0, cap: float = 0.5
 ) -> float:
-    """Delay before probe ``attempt + 1`` (attempt counts from 0): capped exponential growth."""
+    """Delay before probe ``attempt + 1`` (attempt counts from 0): capped exponential growth.
+
+    The cap is low (0.5 s) on purpose: a probe is one TCP connect, and every fraction of a
+    second between the store coming up and us noticing is added to start-up and recovery.
+    """
     if attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {attempt}")
     if initial <= 0 or factor < 1 or cap < initial:
@@ -42,7 +46,7 @@ def next_delay(
 
 
 def backoff_delays(
-    total: float, *, initial: float = 0.1, factor: float = 2.0, cap: float = 2.0
+    total: float, *, initial: float = 0.05, factor: float = 2.0, cap: float = 0.5
 ) -> Iterator[float]:
     """The delays a waiter sleeps within ``total`` seconds; the last one is cut to fit."""
     spent = 0.0

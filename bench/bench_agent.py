@@ -1,0 +1,212 @@
+"""Benchmark: stock torchrun vs ``ddpjob-agent`` on the same scenarios, on this machine.
+
+Each scenario starts agents as local "nodes" on 127.0.0.1 (``ddpjob_worker.harness``), with the
+same env contract for both launchers (the one the operator writes, including
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and measures wall time from outside the processes by
+polling the training script's log lines every 20 ms:
+
+* ``cold start``: 2 nodes, ``--nnodes=2``: launch -> step 0 logged on both ranks;
+* ``worker kill``: SIGKILL one worker: kill -> the first step of the new round on all ranks;
+* ``node loss``: 3 nodes (2:3), SIGKILL a non-master node: kill -> a step at world 2 on both
+  survivors;
+* ``master loss``: 3 nodes (2:3), SIGKILL the store host and start it again at the same address:
+  kill -> a step of the new round on all 3 nodes (torchrun: the survivors exit, so "failed");
+* ``step time``: steady-state ms/step with no sleep (the agent is not in the hot path).
+
+Usage: ``python bench/bench_agent.py [--runs 3] [--scenario NAME ...]``. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ddpjob_worker.harness import Cluster, Node
+
+POLL = 0.02
+TIMEOUT = 120.0
+LAUNCHERS = ("torchrun", "ddpjob-agent")
+
+
+class FailedError(Exception):
+    """The scenario did not recover (what stock torchrun does on master loss)."""
+
+
+def first_time(what: str, predicate: Callable[[], bool], *, nodes: list[Node]) -> float:
+    """Poll until ``predicate`` holds; raise Failed if a node exits first or on timeout."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        dead = [n for n in nodes if not n.running()]
+        if dead:
+            codes = {n.index: n.proc.returncode for n in dead}
+            raise FailedError(f"{what}: node(s) exited first {codes}")
+        time.sleep(POLL)
+    raise FailedError(f"{what}: timed out after {TIMEOUT:g}s")
+
+
+def steps_after(node: Node, resumes: int, *, world: int | None = None) -> bool:
+    """Has ``node`` logged a step after its ``resumes``-th resume line (at ``world``)?"""
+    seen = 0
+    for line in node.lines():
+        if line.startswith("DDPJOB resume"):
+            seen += 1
+        elif (
+            seen >= resumes
+            and line.startswith("DDPJOB step=")
+            and (world is None or f" world={world} " in line)
+        ):
+            return True
+    return False
+
+
+def args(steps: int, sleep: float) -> list[str]:
+    return ["--steps", str(steps), "--ckpt-every", "5", "--step-sleep", str(sleep)]
+
+
+def cold_start(cluster: Cluster, stock: bool) -> float:
+    start = time.monotonic()
+    nodes = [cluster.start(i, args(3, 0.0), stock=stock) for i in range(2)]
+    done = first_time("step 0", lambda: all(steps_after(n, 1) for n in nodes), nodes=nodes)
+    return done - start
+
+
+def wait_step(nodes: list[Node], step: int) -> None:
+    first_time(
+        f"step {step}",
+        lambda: all(any(s >= step for s, _, _ in n.steps()) for n in nodes),
+        nodes=nodes,
+    )
+
+
+def worker_kill(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(2)]
+    wait_step(nodes, 10)
+    before = [len(n.resumes()) for n in nodes]
+    victim = nodes[1].worker_pids()[0]
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    done = first_time(
+        "first step after the worker kill",
+        lambda: all(steps_after(n, b + 1) for n, b in zip(nodes, before, strict=True)),
+        nodes=nodes,
+    )
+    return done - killed
+
+
+def node_loss(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    wait_step(nodes, 10)
+    killed = time.monotonic()
+    nodes[2].kill_node()
+    survivors = nodes[:2]
+    done = first_time(
+        "a step at world 2",
+        lambda: all(steps_after(n, 2, world=2) for n in survivors),
+        nodes=survivors,
+    )
+    return done - killed
+
+
+def master_loss(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    wait_step(nodes, 10)
+    killed = time.monotonic()
+    nodes[0].kill_node()
+    master = cluster.start(0, args(400, 0.05), stock=stock)
+    survivors = nodes[1:]
+    done = first_time(
+        "a step of the new round on all nodes",
+        lambda: steps_after(master, 1) and all(steps_after(n, 2) for n in survivors),
+        nodes=[master, *survivors],
+    )
+    return done - killed
+
+
+def step_time(cluster: Cluster, stock: bool) -> float:
+    """Milliseconds per step over steps 20..120 (no sleep), seen from the log of node 0."""
+    nodes = [cluster.start(i, args(130, 0.0), stock=stock) for i in range(2)]
+    t20 = first_time("step 20", lambda: any(s >= 20 for s, _, _ in nodes[0].steps()), nodes=nodes)
+    t120 = first_time(
+        "step 120", lambda: any(s >= 120 for s, _, _ in nodes[0].steps()), nodes=nodes
+    )
+    return (t120 - t20) / 100 * 1000
+
+
+SCENARIOS: dict[str, tuple[Callable[[Cluster, bool], float], dict[str, int], str]] = {
+    "cold start": (cold_start, {"min_nodes": 2, "max_nodes": 2}, "s"),
+    "worker kill": (worker_kill, {"min_nodes": 2, "max_nodes": 2}, "s"),
+    "node loss": (node_loss, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "master loss": (master_loss, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "step time": (step_time, {"min_nodes": 2, "max_nodes": 2}, "ms"),
+}
+
+
+def run_once(name: str, stock: bool, root: Path) -> float | None:
+    scenario, sizes, _ = SCENARIOS[name]
+    tmp = Path(tempfile.mkdtemp(dir=root))
+    cluster = Cluster(tmp, **sizes)
+    try:
+        return scenario(cluster, stock)
+    except FailedError as exc:
+        print(f"  {name} / {'torchrun' if stock else 'ddpjob-agent'}: failed: {exc}",
+              file=sys.stderr)
+        return None
+    finally:
+        cluster.kill_all()
+
+
+def summary(values: list[float | None]) -> str:
+    ok = [v for v in values if v is not None]
+    failed = len(values) - len(ok)
+    if not ok:
+        return f"failed ({failed}/{len(values)})"
+    text = f"{min(ok):.2f} / {statistics.median(ok):.2f} / {max(ok):.2f}"
+    return text + (f" ({failed} failed)" if failed else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs per scenario and launcher")
+    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
+                        help="only these scenarios (repeatable; default: all)")
+    args_ = parser.parse_args(argv)
+    names = args_.scenario or list(SCENARIOS)
+    results: dict[tuple[str, str], list[float | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
+        for name in names:
+            for launcher in LAUNCHERS:
+                values = []
+                for i in range(args_.runs):
+                    value = run_once(name, launcher == "torchrun", Path(root))
+                    shown = "failed" if value is None else f"{value:.2f}"
+                    print(f"{name} / {launcher} run {i + 1}: {shown}", file=sys.stderr)
+                    values.append(value)
+                results[(name, launcher)] = values
+    print(f"\n| Scenario (n={args_.runs}, min / median / max) | torchrun | ddpjob-agent "
+          "| ratio ours/torchrun (median) |")
+    print("|---|---|---|---|")
+    for name in names:
+        unit = SCENARIOS[name][2]
+        theirs, ours = results[(name, "torchrun")], results[(name, "ddpjob-agent")]
+        ok_theirs = [v for v in theirs if v is not None]
+        ok_ours = [v for v in ours if v is not None]
+        ratio = (
+            f"{statistics.median(ok_ours) / statistics.median(ok_theirs):.2f}"
+            if ok_theirs and ok_ours
+            else "n/a"
+        )
+        print(f"| {name} ({unit}) | {summary(theirs)} | {summary(ours)} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
