@@ -92,7 +92,9 @@ def test_decide(
 def test_only_a_worker_failure_is_ever_charged(
     status: WorkerStatus, remaining: int, waiting: int, store_lost: bool
 ) -> None:
-    action = decide(status, remaining_restarts=remaining, nodes_waiting=waiting, store_lost=store_lost)
+    action = decide(
+        status, remaining_restarts=remaining, nodes_waiting=waiting, store_lost=store_lost
+    )
     if action in {Action.RESTART_CHARGED, Action.GIVE_UP}:
         assert status is WorkerStatus.FAILED
         assert not store_lost
@@ -153,8 +155,12 @@ def test_budget_never_goes_negative(ops: list[str]) -> None:
         ({}, {"DDPJOB_RDZV_HOST": "0"}, None, (False, 600.0, 25.0, None)),
         # The conf is what torch acts on, so it wins over our env.
         ({"is_host": "false"}, {"DDPJOB_RDZV_HOST": "1"}, None, (False, 600.0, 25.0, None)),
-        ({}, {"DDPJOB_GRACE_SECONDS": "7", "DDPJOB_STATE_FILE": "/s.json"}, None,
-         (None, 600.0, 7.0, "/s.json")),
+        (
+            {},
+            {"DDPJOB_GRACE_SECONDS": "7", "DDPJOB_STATE_FILE": "/s.json"},
+            None,
+            (None, 600.0, 7.0, "/s.json"),
+        ),
         ({}, {"DDPJOB_GRACE_SECONDS": "7"}, 3.0, (None, 600.0, 3.0, None)),
     ],
 )
@@ -205,8 +211,12 @@ def test_split_endpoint(endpoint: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize(
     ("endpoint", "message"),
-    [("", "endpoint is empty"), ("h:x", "non-numeric port 'x'"), ("h:70000", "outside 0-65535"),
-     ("[::1", "unclosed")],
+    [
+        ("", "endpoint is empty"),
+        ("h:x", "non-numeric port 'x'"),
+        ("h:70000", "outside 0-65535"),
+        ("[::1", "unclosed"),
+    ],
 )
 def test_split_endpoint_errors(endpoint: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

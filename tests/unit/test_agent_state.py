@@ -86,8 +86,12 @@ def test_writer_updates_the_file_and_survives_an_unwritable_path(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("phase", "age", "ready"),
-    [(Phase.RUNNING, 1.0, True), (Phase.RUNNING, 31.0, False), (Phase.RECOVERING, 1.0, False),
-     (Phase.SUCCEEDED, 0.0, False)],
+    [
+        (Phase.RUNNING, 1.0, True),
+        (Phase.RUNNING, 31.0, False),
+        (Phase.RECOVERING, 1.0, False),
+        (Phase.SUCCEEDED, 0.0, False),
+    ],
 )
 def test_is_ready(phase: Phase, age: float, ready: bool) -> None:
     state = AgentState(phase=phase, pid=1, updated_at=100.0)
@@ -136,7 +140,11 @@ def test_wait_for_endpoint_retries_with_backoff_until_it_connects() -> None:
     fake = FakeTime()
     answers = iter(["DNS lookup of 'pod-0' failed", "TCP connect failed", None])
     probe_result = wait_for_endpoint(
-        "pod-0", 29400, 10, connect=lambda h, p, t: next(answers), clock=fake.clock,
+        "pod-0",
+        29400,
+        10,
+        connect=lambda h, p, t: next(answers),
+        clock=fake.clock,
         sleep=fake.sleep,
     )
     assert probe_result.attempts == 3
@@ -147,8 +155,13 @@ def test_wait_for_endpoint_gives_up_at_the_deadline_naming_what_it_tried() -> No
     fake = FakeTime()
     with pytest.raises(EndpointUnreachableError) as info:
         wait_for_endpoint(
-            "pod-0.svc", 29400, 5, connect=lambda h, p, t: "DNS lookup of 'pod-0.svc' failed",
-            clock=fake.clock, sleep=fake.sleep, join_timeout=600,
+            "pod-0.svc",
+            29400,
+            5,
+            connect=lambda h, p, t: "DNS lookup of 'pod-0.svc' failed",
+            clock=fake.clock,
+            sleep=fake.sleep,
+            join_timeout=600,
         )
     message = str(info.value)
     assert "pod-0.svc:29400 is unreachable" in message

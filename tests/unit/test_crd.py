@@ -5,12 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import hypothesis.strategies as st
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from ddpjob_operator import crd
+from hypothesis import given, settings
+
+from ddpjob_operator import api, crd
 from ddpjob_operator.cli import render_crd
+from ddpjob_operator.errors import SpecError
+
+from .jobs import manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 COPIES = [
@@ -134,3 +140,58 @@ def test_schema_rejects_a_container_without_image() -> None:
     del document["spec"]["template"]["spec"]["containers"][0]["image"]
     with pytest.raises(jsonschema.ValidationError, match="'image' is a required property"):
         jsonschema.validate(document, schema())
+
+
+# ---- CEL rules, evaluated with cel-python (no API server here) ---------------------------------
+
+
+def cel_violations(node_schema: dict[str, Any], value: Any) -> list[str]:
+    """Evaluate every x-kubernetes-validations rule in the schema against the document."""
+    import celpy  # noqa: PLC0415 - test-only dependency
+
+    found: list[str] = []
+    env = celpy.Environment()
+    for rule in node_schema.get("x-kubernetes-validations", []):
+        program = env.program(env.compile(rule["rule"]))
+        if not program.evaluate({"self": celpy.json_to_cel(value)}):
+            found.append(rule["message"])
+    if isinstance(value, dict):
+        for name, child in node_schema.get("properties", {}).items():
+            if name in value:
+                found += cel_violations(child, value[name])
+    if isinstance(value, list) and isinstance(node_schema.get("items"), dict):
+        for item in value:
+            found += cel_violations(node_schema["items"], item)
+    return found
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_pass_the_cel_rules(example: Path) -> None:
+    assert cel_violations(schema(), yaml.safe_load(example.read_text())) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.one_of(st.none(), st.integers(1, 6)),
+    st.one_of(st.none(), st.integers(1, 6)),
+    st.one_of(st.integers(-1, 3), st.sampled_from(["auto", "gpu"])),
+)
+def test_cel_rules_agree_with_the_models(
+    replicas: int, low: int | None, high: int | None, nproc: int | str
+) -> None:
+    spec: dict[str, Any] = {"replicas": replicas, "nprocPerNode": nproc}
+    if low is not None:
+        spec["minReplicas"] = low
+    if high is not None:
+        spec["maxReplicas"] = high
+    document = manifest(**spec)
+    document["spec"] = {k: v for k, v in document["spec"].items() if k in spec or k == "template"}
+    try:
+        api.parse_job(document)
+        accepted = True
+    except SpecError:
+        accepted = False
+    rules_pass = cel_violations(schema(), document) == []
+    schema_pass = jsonschema.Draft4Validator(schema()).is_valid(document)
+    assert accepted == (rules_pass and schema_pass)

@@ -1,0 +1,62 @@
+"""``ddpjob-agent``'s command line: torchrun's flags and env, plus ours; exit codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from ddpjob_worker.cli import build_parser
+from ddpjob_worker.errors import EXIT_USAGE
+
+
+def test_parser_is_torchruns_with_our_flags() -> None:
+    args = build_parser().parse_args(
+        [
+            "--nnodes=1:4",
+            "--nproc-per-node=2",
+            "--max-restarts=5",
+            "--grace-seconds",
+            "7",
+            "--state-file",
+            "/tmp/s.json",
+            "train.py",
+            "--steps",
+            "3",
+        ]
+    )
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts) == ("1:4", "2", 5)
+    assert (args.grace_seconds, args.state_file) == (7.0, "/tmp/s.json")
+    assert (args.training_script, args.training_script_args) == ("train.py", ["--steps", "3"])
+
+
+def test_pet_environment_variables_work_as_for_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NNODES", "2:3")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "pod-0.svc:29400")
+    monkeypatch.setenv("PET_RDZV_CONF", "is_host=false,join_timeout=30")
+    args = build_parser().parse_args(["train.py"])
+    assert (args.nnodes, args.rdzv_endpoint) == ("2:3", "pod-0.svc:29400")
+    assert args.rdzv_conf == "is_host=false,join_timeout=30"
+
+
+def test_bad_configuration_exits_with_the_usage_code() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpjob_worker.cli",
+            "--nnodes=3:1",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:1",
+            "train.py",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "min_nodes must be > 0 and <= max_nodes" in result.stderr
