@@ -95,21 +95,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(scratch)
         for round_ in range(args.rounds):
-            for name, run in (
-                ("torchrun", lambda: torchrun(tmp)),
-                ("ddpjob run", lambda: ddpjob(tmp)),
-                (
-                    "ddpjob run --chaos",
-                    lambda: ddpjob(tmp, "--chaos", str(args.chaos), "--seed", str(round_)),
-                ),
-            ):
-                seconds, ok = run()
+            chaos_flags = ("--chaos", str(args.chaos), "--seed", str(round_))
+            for name, times in results.items():
+                if name == "torchrun":
+                    seconds, ok = torchrun(tmp)
+                else:
+                    seconds, ok = ddpjob(tmp, *(chaos_flags if "chaos" in name else ()))
                 print(
                     f"round {round_ + 1}: {name}: {seconds:.1f}s {'ok' if ok else 'FAILED'}",
                     flush=True,
                 )
                 if ok:
-                    results[name].append(seconds)
+                    times.append(seconds)
                 else:
                     failures[name] += 1
             shutil.rmtree(tmp / "torchrun-ckpt", ignore_errors=True)
@@ -119,13 +116,11 @@ def main() -> int:
         print(f"| {name} | {summary(times) if times else 'n/a'} | {failures[name]} |")
     base, ours, chaos = (results[k] for k in results)
     if base and ours:
-        print(
-            f"\nddpjob run / torchrun (median): {statistics.median(ours) / statistics.median(base):.2f}  (target <= 1.10)"
-        )
+        ratio = statistics.median(ours) / statistics.median(base)
+        print(f"\nddpjob run / torchrun (median): {ratio:.2f}  (target <= 1.10)")
     if ours and chaos:
-        print(
-            f"chaos / no chaos (median): {statistics.median(chaos) / statistics.median(ours):.2f}  (the cost of recovery)"
-        )
+        ratio = statistics.median(chaos) / statistics.median(ours)
+        print(f"chaos / no chaos (median): {ratio:.2f}  (the cost of recovery)")
     return 0
 
 

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ddpjob_worker import init_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from ddpjob_worker import init_distributed
 
 CKPT_NAME = "latest.pt"
 FEATURES = 32

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+
 from ddpjob_operator.contract import EXIT_STOPPED_BY_SIGNAL
 from ddpjob_worker.errors import EXIT_ENDPOINT_UNREACHABLE
 from ddpjob_worker.harness import CKPT_RE, Cluster, Node, wait_until

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from ddpjob_worker.cli import build_parser
 from ddpjob_worker.errors import EXIT_USAGE
 

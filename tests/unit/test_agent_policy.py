@@ -5,6 +5,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from ddpjob_worker.policy import (
     DEFAULT_GRACE_SECONDS,
     DEFAULT_JOIN_TIMEOUT,
@@ -18,8 +21,6 @@ from ddpjob_worker.policy import (
     resolve_settings,
     split_endpoint,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from ddpjob_worker import probe
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError
@@ -20,8 +23,6 @@ from ddpjob_worker.state import (
     read_state,
     write_state,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 failures = st.none() | st.builds(
     Failure,

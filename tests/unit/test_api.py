@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from ddpjob_operator import api
 from ddpjob_operator.errors import SpecError
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+
 from ddpjob_operator import builders, contract
 
 from .jobs import job

@@ -8,6 +8,8 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, given, settings
+
 from ddpjob_operator import api
 from ddpjob_operator.observe import ObservedPod, PodPhase
 from ddpjob_operator.reconcile import (
@@ -19,7 +21,6 @@ from ddpjob_operator.reconcile import (
     Observed,
     reconcile,
 )
-from hypothesis import HealthCheck, given, settings
 
 from .jobs import manifest
 

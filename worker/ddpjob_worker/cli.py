@@ -26,7 +26,6 @@ from ddpjob_operator.contract import (
     DDPJOB_STATE_FILE,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
 )
-
 from ddpjob_worker.errors import (
     EXIT_ENDPOINT_UNREACHABLE,
     EXIT_FAILED,

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddpjob_operator.contract import AgentContract, agent_env
-
 from ddpjob_worker.state import AgentState, read_state
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,6 @@ import sys
 from collections.abc import Sequence
 
 from ddpjob_operator.contract import DDPJOB_STATE_FILE, DEFAULT_STATE_FILE
-
 from ddpjob_worker.state import is_ready, read_state
 
 DEFAULT_MAX_AGE = 30.0
