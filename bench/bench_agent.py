@@ -184,13 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
         for name in names:
             for launcher in LAUNCHERS:
-                values = []
-                for i in range(args_.runs):
+                results[(name, launcher)] = []
+            # Interleave the launchers, alternating who goes first, so that drift on a busy
+            # 2-core machine (page cache, other load) does not favour one of them.
+            for i in range(args_.runs):
+                order = LAUNCHERS if i % 2 == 0 else LAUNCHERS[::-1]
+                for launcher in order:
                     value = run_once(name, launcher == "torchrun", Path(root))
                     shown = "failed" if value is None else f"{value:.2f}"
                     print(f"{name} / {launcher} run {i + 1}: {shown}", file=sys.stderr)
-                    values.append(value)
-                results[(name, launcher)] = values
+                    results[(name, launcher)].append(value)
     print(f"\n| Scenario (n={args_.runs}, min / median / max) | torchrun | ddpjob-agent "
           "| ratio ours/torchrun (median) |")
     print("|---|---|---|---|")
