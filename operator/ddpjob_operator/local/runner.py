@@ -218,13 +218,12 @@ class LocalRunner:
             self.progress.scan(pod)
         status = self.job.status
         whole = status.ready_replicas >= desired_replicas(self.job.spec)
-        completing = any(p.exit_code == 0 for p in self.pods.values())
-        if (
-            self.progress.was_whole
-            and not whole
-            and not completing
-            and not status.phase.is_finished
-        ):
+        completing = any(
+            p.exit_code == 0 or p.agent_state().get("phase") == "succeeded"
+            for p in self.pods.values()
+        )
+        degraded = not whole and not completing and not status.phase.is_finished
+        if self.progress.was_whole and degraded:
             self.progress.recovery_seconds += now - self.progress.last_tick
         self.progress.was_whole = self.progress.was_whole or whole
         self.progress.last_tick = now
