@@ -148,12 +148,13 @@ def test_schema_rejects_a_container_without_image() -> None:
 def cel_violations(node_schema: dict[str, Any], value: Any) -> list[str]:
     """Evaluate every x-kubernetes-validations rule in the schema against the document."""
     import celpy  # noqa: PLC0415 - test-only dependency
+    from celpy.adapter import json_to_cel  # noqa: PLC0415
 
     found: list[str] = []
     env = celpy.Environment()
     for rule in node_schema.get("x-kubernetes-validations", []):
         program = env.program(env.compile(rule["rule"]))
-        if not program.evaluate({"self": celpy.json_to_cel(value)}):
+        if not program.evaluate({"self": json_to_cel(value)}):
             found.append(rule["message"])
     if isinstance(value, dict):
         for name, child in node_schema.get("properties", {}).items():
