@@ -42,6 +42,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.utils import (  # torch's own hostname heuristic
+    _matches_machine_hostname,
+)
 from torch.distributed.launcher.api import LaunchConfig
 
 from ddpjob_worker.endpoint import wait_for_endpoint
@@ -383,6 +386,10 @@ def _first_handler(
     if params.backend != "c10d" or settings.is_host or not params.endpoint:
         return rdzv_registry.get_rendezvous_handler(params)
     host, port = split_endpoint(params.endpoint)
+    if port == 0 or (settings.is_host is None and _matches_machine_hostname(host)):
+        # No explicit host (plain torchrun usage, or --standalone): torch decides by hostname,
+        # and we may be the one to host the store, so we must not wait for it.
+        return rdzv_registry.get_rendezvous_handler(params)
     deadline = time.monotonic() + settings.join_timeout
     state.update(phase=Phase.WAITING)
     while True:
