@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -39,6 +41,7 @@ def finish_ok(cluster: Cluster, nodes: list[Node], timeout: float) -> None:
     for node in nodes:
         code = node.wait_exit(timeout)
         assert code == 0, f"node {node.index} exited {code}\n{cluster.logs()}"
+        assert "Fatal Python error" not in node.text(), cluster.logs()
     cluster.assert_clean()
 
 
@@ -153,10 +156,17 @@ def test_sigterm_forwards_to_workers_and_exits_143(make_cluster: MakeCluster) ->
     nodes = [cluster.start(i, train_args(400)) for i in range(2)]
     for node in nodes:
         wait_until(f"step 3 on node {node.index}", reached(node, 3), 60)
+    # The readiness probe (torch-free) says ready while the workers run.
+    probe = subprocess.run(
+        [sys.executable, "-m", "ddpjob_worker.probe", "--state-file", str(nodes[1].state_file)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert probe.returncode == 0, probe.stderr
     for node in nodes:
         os.kill(node.pid, signal.SIGTERM)
     for node in nodes:
         assert node.wait_exit(30) == EXIT_STOPPED_BY_SIGNAL, cluster.logs()
+        assert "Fatal Python error" not in node.text(), cluster.logs()
         rank = node.resumes()[-1][1]
         assert f"DDPJOB sigterm rank={rank}" in node.text()
         assert node.state().phase is Phase.STOPPED
@@ -179,4 +189,19 @@ def test_unreachable_endpoint_fails_fast_with_a_clear_message(make_cluster: Make
     assert state.phase is Phase.FAILED
     assert state.last_failure is not None
     assert state.last_failure.exit_code == EXIT_ENDPOINT_UNREACHABLE
+    cluster.assert_clean()
+
+
+def test_worker_failures_use_up_the_budget_then_the_job_fails(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(min_nodes=2, max_nodes=2, max_restarts=2)
+    nodes = [cluster.start(i, [*train_args(5), "--crash-always"]) for i in range(2)]
+    for node in nodes:
+        assert node.wait_exit(90) == 1, cluster.logs()
+        assert [r[3] for r in node.resumes()] == [0, 1, 2]  # TORCHELASTIC_RESTART_COUNT
+        state = node.state()
+        assert state.phase is Phase.FAILED
+        assert state.restart_count == 2
+        assert state.membership_restarts == 0
+        assert state.last_failure is not None
+        assert state.last_failure.exit_code == 1
     cluster.assert_clean()

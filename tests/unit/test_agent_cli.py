@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ddpjob_worker.cli import build_parser
+from ddpjob_worker.cli import apply_env_defaults, build_parser
 from ddpjob_worker.errors import EXIT_USAGE
 
 
@@ -61,3 +61,13 @@ def test_bad_configuration_exits_with_the_usage_code() -> None:
     )
     assert result.returncode == EXIT_USAGE, result.stderr
     assert "min_nodes must be > 0 and <= max_nodes" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [({}, "1"), ({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, "0")],
+)
+def test_store_sharing_is_off_unless_the_user_chose(before: dict[str, str], after: str) -> None:
+    env = dict(before)
+    apply_env_defaults(env)
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == after

@@ -377,6 +377,7 @@ def launch(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        _stop_heartbeats(spec.rdzv_handler)
 
 
 def _first_handler(

@@ -17,9 +17,9 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from ddpjob_operator.contract import (
     DDPJOB_GRACE_SECONDS,
@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where to write the agent's JSON state (env {DDPJOB_STATE_FILE}; default: none)",
     )
     return parser
+
+
+def apply_env_defaults(environ: MutableMapping[str, str]) -> None:
+    """Reliability defaults, set only where the user has not: the workers' process group gets
+    its own store instead of reusing the rendezvous store (stock torchrun hangs without it,
+    TORCHRUN-BASELINE.md)."""
+    environ.setdefault(TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
 
 
 def _raise_signal(signum: int, frame: FrameType | None) -> None:
@@ -123,6 +130,8 @@ def _run(args: argparse.Namespace, writer: StateWriter) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``ddpjob-agent`` console script. Returns only for ``--probe``: after running the
+    agent it exits the process itself (see :func:`_exit_now`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--probe"]:
         from ddpjob_worker.probe import main as probe_main
@@ -133,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="[ddpjob-agent %(asctime)s %(levelname)s %(name)s] %(message)s",
         stream=sys.stderr,
     )
-    os.environ.setdefault(TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
+    apply_env_defaults(os.environ)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_signal)
 
@@ -143,8 +152,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     writer.update(phase=Phase.WAITING)
     code = _main(args, writer)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL)
-    return code
+        signal.signal(sig, signal.SIG_IGN)
+    return _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit without interpreter finalization.
+
+    torch's rendezvous keep-alive runs in a daemon thread that may be inside a TCPStore call
+    when we exit (always likely after losing the store host). Finalizing the interpreter then
+    ends that thread with ``pthread_exit`` inside C++ code, which aborts the process
+    ("terminate called without an active exception", exit -6) and loses our exit code. Our
+    state file is written and the workers are gone by now, so skip finalization.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _main(args: argparse.Namespace, writer: StateWriter) -> int:
