@@ -298,3 +298,21 @@ def test_bad_input_exits_2_and_starts_nothing(tmp_path: Path, case: str, message
     assert "Traceback" not in result.stderr
     assert leftovers(run_dir) == []
     assert not (run_dir / "logs").exists() or not any((run_dir / "logs").iterdir())
+
+
+def test_two_jobs_run_side_by_side(tmp_path: Path) -> None:
+    """Each run picks its own free rendezvous port, so jobs don't clash."""
+    runs = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        runs.append(Run(manifest(folder, steps=30, sleep=0.0), folder / "run"))
+    try:
+        for run in runs:
+            assert_clean_finish(run, 0)
+            assert "DDPJob itest Succeeded" in run.output()
+    finally:
+        for run in runs:
+            if run.process.poll() is None:
+                os.killpg(run.process.pid, signal.SIGKILL)
+            run.out.close()
