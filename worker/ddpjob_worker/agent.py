@@ -50,6 +50,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError
 from ddpjob_worker.policy import (
+    HOST_LINGER_SECONDS,
     Action,
     Budget,
     Settings,
@@ -363,12 +364,14 @@ def launch(
         heartbeat_seconds=heartbeat_seconds,
     )
     shutdown_rdzv = True
+    succeeded = False
     try:
         result = agent.run()
         if result.is_failed():
             raise ChildFailedError(
                 name=_entrypoint_name(entrypoint, args), failures=result.failures
             )
+        succeeded = True
         return dict(result.return_values)
     except SignalException:
         # As torch: a signalled agent must not close the rendezvous for the others.
@@ -377,6 +380,13 @@ def launch(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+            if settings.is_host and not succeeded:
+                # Keep the store up a little after closing the rendezvous, so the other agents
+                # read "closed" (the job is over: exit 1) instead of finding the store gone
+                # (the host was lost: wait up to the join timeout for it to come back).
+                logger.info("closed the rendezvous; keeping the store up %gs for the others",
+                            HOST_LINGER_SECONDS)
+                time.sleep(HOST_LINGER_SECONDS)
         _stop_heartbeats(spec.rdzv_handler)
 
 

@@ -174,6 +174,7 @@ def _exit_now(code: int) -> NoReturn:
 def _main(args: argparse.Namespace, writer: StateWriter) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
     def fail(reason: str, code: int) -> int:
         writer.update(
@@ -194,6 +195,10 @@ def _main(args: argparse.Namespace, writer: StateWriter) -> int:
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr, flush=True)  # type: ignore[no-untyped-call]
         return fail(f"workers failed: {exc.name}", EXIT_FAILED)
+    except RendezvousClosedError as exc:
+        message = "the rendezvous was closed by another agent: the job has ended"
+        print(f"ddpjob-agent: error: {message} ({exc})", file=sys.stderr, flush=True)
+        return fail(message, EXIT_FAILED)
     except (ValueError, AssertionError) as exc:
         # torchrun's config_from_args validates with AssertionError/ValueError.
         print(f"ddpjob-agent: error: {exc}", file=sys.stderr, flush=True)

@@ -19,6 +19,9 @@ DEFAULT_JOIN_TIMEOUT = 600.0
 """torch's c10d rendezvous default ``join_timeout`` (seconds)."""
 DEFAULT_GRACE_SECONDS = 25.0
 """Below Kubernetes' default ``terminationGracePeriodSeconds`` (30 s), so we kill before it does."""
+HOST_LINGER_SECONDS = 5.0
+"""After a failed run, how long the store host keeps the store up once it has closed the
+rendezvous, so that the other agents see the job end instead of a lost host."""
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 """How often the agent rewrites its state file while nothing changes."""
 
