@@ -159,7 +159,10 @@ def test_sigterm_forwards_to_workers_and_exits_143(make_cluster: MakeCluster) ->
     # The readiness probe (torch-free) says ready while the workers run.
     probe = subprocess.run(
         [sys.executable, "-m", "ddpjob_worker.probe", "--state-file", str(nodes[1].state_file)],
-        capture_output=True, text=True, timeout=30, check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert probe.returncode == 0, probe.stderr
     for node in nodes:

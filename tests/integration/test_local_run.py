@@ -211,6 +211,9 @@ def test_killed_pod_is_replaced_and_training_resumes(
     out = run.output()
     assert "DDPJob itest Succeeded" in out
     assert f"pods replaced: 1 (itest-worker-{victim} ExitCode(137))" in out
+    # The survivor's workers failed only because their peer died: a membership change, so its
+    # agent refunded the restart it charged.
+    assert "worker restarts inside pods: 0" in out
     replacement = run.logs()[f"itest-worker-{victim}.1.log"]
     resumed = [int(m.group(1)) for m in RESUME.finditer(replacement)]
     assert resumed, replacement

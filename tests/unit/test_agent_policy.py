@@ -121,6 +121,42 @@ def test_refund_rule(previous: int | None, new: int, recovered: bool, refund: bo
     )
 
 
+A, B, B2, C = "10.0.0.1_100_0", "10.0.0.2_200_0", "10.0.0.2_201_0", "10.0.0.3_300_0"
+
+
+@pytest.mark.parametrize(
+    ("previous", "new", "refund"),
+    [
+        ({A, B}, {A, B}, False),  # the same agents rejoined: a worker really failed
+        ({A, B}, {A, B2}, True),  # B was replaced by a new agent within seconds: a peer was lost
+        ({A, B}, {A}, True),  # B left
+        ({A, B}, {A, B, C}, False),  # C joined, nobody left: the charge stands
+        ({A, B, C}, {A, B2}, True),
+    ],
+)
+def test_refund_rule_by_members(previous: set[str], new: set[str], refund: bool) -> None:
+    # Members decide when both rounds are known, whatever the node counts say.
+    assert (
+        is_membership_change(
+            previous_nodes=len(previous),
+            new_nodes=len(new),
+            store_recovered=False,
+            previous_members=frozenset(previous),
+            new_members=frozenset(new),
+        )
+        is refund
+    )
+
+
+def test_unknown_members_fall_back_to_counts() -> None:
+    assert is_membership_change(
+        previous_nodes=2, new_nodes=1, store_recovered=False, previous_members=frozenset({A, B})
+    )
+    assert not is_membership_change(
+        previous_nodes=2, new_nodes=2, store_recovered=False, new_members=frozenset({A, B2})
+    )
+
+
 def test_budget_charge_refund_and_free() -> None:
     budget = Budget(max_restarts=2)
     budget = budget.charge().charge()

@@ -51,6 +51,7 @@ from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError
 from ddpjob_worker.policy import (
     HOST_LINGER_SECONDS,
+    RESTART_STOP_SECONDS,
     Action,
     Budget,
     Settings,
@@ -99,6 +100,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._heartbeat_seconds = heartbeat_seconds
         self._budget = Budget(spec.max_restarts)
         self._previous_nodes: int | None = None
+        self._previous_members: frozenset[str] | None = None
         self._charge_pending = False
         self._store_lost = False
         self._store_recoveries = 0
@@ -181,6 +183,14 @@ class DdpjobAgent(LocalElasticAgent):
             logger.warning("lost the rendezvous store: %s", exc)
             return 0, True
 
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        """Stop workers for a restart: SIGTERM, then SIGKILL after a short wait.
+
+        torch waits 30 s here. A pod's graceful stop (SIGTERM to the agent) still gets the full
+        grace period: torch's ``run()`` calls ``_shutdown`` with it directly.
+        """
+        self._shutdown(timeout=RESTART_STOP_SECONDS)
+
     # -- rendezvous with store recovery ----------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -206,10 +216,13 @@ class DdpjobAgent(LocalElasticAgent):
         new_nodes = worker_group.group_world_size
         if new_nodes is None:
             raise RuntimeError("rendezvous completed without a world size")
+        members = _round_members(worker_group.spec.rdzv_handler)
         if self._charge_pending and is_membership_change(
             previous_nodes=self._previous_nodes,
             new_nodes=new_nodes,
             store_recovered=recovered,
+            previous_members=self._previous_members,
+            new_members=members,
         ):
             logger.info(
                 "refunding the last restart: a membership change (nodes %s -> %s, store "
@@ -221,6 +234,7 @@ class DdpjobAgent(LocalElasticAgent):
             self._budget = self._budget.refund()
         self._charge_pending = False
         self._previous_nodes = new_nodes
+        self._previous_members = members
         self._rounds += 1
         local = [w.global_rank for w in worker_group.workers]
         self._sync_budget(
@@ -257,8 +271,9 @@ class DdpjobAgent(LocalElasticAgent):
         self._rdzv_handler = handler
         self._store_recoveries += 1
         self._state.update(store_recoveries=self._store_recoveries)
-        logger.info("rejoining with a fresh rendezvous handler (recovery %d)",
-                    self._store_recoveries)
+        logger.info(
+            "rejoining with a fresh rendezvous handler (recovery %d)", self._store_recoveries
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -274,6 +289,19 @@ class DdpjobAgent(LocalElasticAgent):
     @property
     def budget(self) -> Budget:
         return self._budget
+
+
+def _round_members(handler: RendezvousHandler) -> frozenset[str] | None:
+    """The agents (address, pid, local id) of the round just joined, if the handler says.
+
+    torch's dynamic rendezvous keeps them in its state holder; there is no public API for it,
+    so any other handler (or a future torch) falls back to comparing node counts.
+    """
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    participants = getattr(state, "participants", None)
+    if not isinstance(participants, dict):
+        return None
+    return frozenset(repr(node) for node in participants)
 
 
 def _stop_heartbeats(handler: RendezvousHandler) -> None:
@@ -384,8 +412,10 @@ def launch(
                 # Keep the store up a little after closing the rendezvous, so the other agents
                 # read "closed" (the job is over: exit 1) instead of finding the store gone
                 # (the host was lost: wait up to the join timeout for it to come back).
-                logger.info("closed the rendezvous; keeping the store up %gs for the others",
-                            HOST_LINGER_SECONDS)
+                logger.info(
+                    "closed the rendezvous; keeping the store up %gs for the others",
+                    HOST_LINGER_SECONDS,
+                )
                 time.sleep(HOST_LINGER_SECONDS)
         _stop_heartbeats(spec.rdzv_handler)
 
@@ -409,8 +439,9 @@ def _first_handler(
             host, port, max(0.0, remaining), join_timeout=settings.join_timeout
         )
         if probe.attempts > 1:
-            logger.info("rendezvous endpoint %s:%d is up after %d tries",
-                        host, port, probe.attempts)
+            logger.info(
+                "rendezvous endpoint %s:%d is up after %d tries", host, port, probe.attempts
+            )
         try:
             return rdzv_registry.get_rendezvous_handler(params)
         except RendezvousConnectionError as exc:

@@ -222,9 +222,7 @@ class Cluster:
             state_file=str(self.tmp / f"state-{index}-{self._launches}.json"),
         )
 
-    def start(
-        self, index: int, train_args: list[str], *, stock: bool = False
-    ) -> Node:
+    def start(self, index: int, train_args: list[str], *, stock: bool = False) -> Node:
         """Start node ``index`` (0 hosts the store) with ``ddpjob-agent`` or stock torchrun."""
         contract = self.contract(index)
         env = {
@@ -269,5 +267,6 @@ class Cluster:
                 node.proc.wait(timeout=10)
 
     def logs(self) -> str:
-        return "\n".join(f"--- node {n.index} ({n.log.name}) ---\n{n.text()[-4000:]}"
-                         for n in self.nodes)
+        return "\n".join(
+            f"--- node {n.index} ({n.log.name}) ---\n{n.text()[-4000:]}" for n in self.nodes
+        )

@@ -101,18 +101,34 @@ def decide(
     return Action.CONTINUE
 
 
+RESTART_STOP_SECONDS = 3
+"""How long workers get after SIGTERM when the agent restarts them (not when the pod stops).
+
+The group is already broken: a worker blocked in a collective cannot even run a Python signal
+handler, so torch's 30 s default only delays the rejoin (it cost 30 s per chaos kill)."""
+
+
 def is_membership_change(
-    *, previous_nodes: int | None, new_nodes: int, store_recovered: bool
+    *,
+    previous_nodes: int | None,
+    new_nodes: int,
+    store_recovered: bool,
+    previous_members: frozenset[str] | None = None,
+    new_members: frozenset[str] | None = None,
 ) -> bool:
     """The refund rule: was a provisionally charged restart really a membership change?
 
     When a peer node dies, our workers fail first (gloo loses a connection) and the restart is
-    charged. If the next round has fewer nodes than the previous one, a peer left, and the charge
-    is refunded. Losing and rejoining the store host is a membership change too. A round of the
-    same or a bigger size means a worker really failed, and the charge stands.
+    charged. If a node of the previous round is missing from the next one (it left, or was
+    replaced by a new agent, as the operator does within seconds), the charge is refunded.
+    Losing and rejoining the store host is a membership change too. When the rendezvous does
+    not tell who its members are, a smaller round counts as a peer having left. A round with
+    the same members means a worker really failed, and the charge stands.
     """
     if store_recovered:
         return True
+    if previous_members is not None and new_members is not None:
+        return bool(previous_members - new_members)
     return previous_nodes is not None and new_nodes < previous_nodes
 
 

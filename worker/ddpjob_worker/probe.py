@@ -29,8 +29,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.environ.get(DDPJOB_STATE_FILE) or DEFAULT_STATE_FILE,
         help=f"the agent's state file (default: ${DDPJOB_STATE_FILE} or {DEFAULT_STATE_FILE})",
     )
-    parser.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE,
-                        help="seconds since the last update before the state counts as stale")
+    parser.add_argument(
+        "--max-age",
+        type=float,
+        default=DEFAULT_MAX_AGE,
+        help="seconds since the last update before the state counts as stale",
+    )
     args = parser.parse_args(argv)
     try:
         state = read_state(args.state_file)
@@ -41,11 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"not ready: {args.state_file}: {exc}", file=sys.stderr)
         return EXIT_NO_STATE
     if is_ready(state, max_age=args.max_age):
-        print(f"ready: phase={state.phase.value} round={state.rdzv_round} "
-              f"world={state.world_size}")
+        print(f"ready: phase={state.phase.value} round={state.rdzv_round} world={state.world_size}")
         return EXIT_READY
-    print(f"not ready: phase={state.phase.value}, updated {state.age():.1f}s ago "
-          f"(max {args.max_age:g}s)", file=sys.stderr)
+    print(
+        f"not ready: phase={state.phase.value}, updated {state.age():.1f}s ago "
+        f"(max {args.max_age:g}s)",
+        file=sys.stderr,
+    )
     return EXIT_NOT_READY
 
 

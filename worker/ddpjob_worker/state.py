@@ -167,6 +167,9 @@ class StateWriter:
             except OSError as exc:
                 if not self._warned:
                     self._warned = True
-                    print(f"ddpjob-agent: cannot write state file {self.path}: {exc}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"ddpjob-agent: cannot write state file {self.path}: {exc}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         return self.state

@@ -97,7 +97,7 @@ class Progress:
         state = pod.agent_state()
         restarts = state.get("restart_count")
         if isinstance(restarts, int):
-            self.agent_restarts[pod.uid] = max(self.agent_restarts.get(pod.uid, 0), restarts)
+            self.agent_restarts[pod.uid] = restarts  # net of refunds: the latest word counts
 
 
 class LocalRunner:
