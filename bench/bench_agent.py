@@ -157,8 +157,9 @@ def run_once(name: str, stock: bool, root: Path) -> float | None:
     try:
         return scenario(cluster, stock)
     except FailedError as exc:
-        print(f"  {name} / {'torchrun' if stock else 'ddpjob-agent'}: failed: {exc}",
-              file=sys.stderr)
+        print(
+            f"  {name} / {'torchrun' if stock else 'ddpjob-agent'}: failed: {exc}", file=sys.stderr
+        )
         return None
     finally:
         cluster.kill_all()
@@ -176,8 +177,12 @@ def summary(values: list[float | None]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per scenario and launcher")
-    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
-                        help="only these scenarios (repeatable; default: all)")
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        choices=sorted(SCENARIOS),
+        help="only these scenarios (repeatable; default: all)",
+    )
     args_ = parser.parse_args(argv)
     names = args_.scenario or list(SCENARIOS)
     results: dict[tuple[str, str], list[float | None]] = {}
@@ -194,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                     shown = "failed" if value is None else f"{value:.2f}"
                     print(f"{name} / {launcher} run {i + 1}: {shown}", file=sys.stderr)
                     results[(name, launcher)].append(value)
-    print(f"\n| Scenario (n={args_.runs}, min / median / max) | torchrun | ddpjob-agent "
-          "| ratio ours/torchrun (median) |")
+    print(
+        f"\n| Scenario (n={args_.runs}, min / median / max) | torchrun | ddpjob-agent "
+        "| ratio ours/torchrun (median) |"
+    )
     print("|---|---|---|---|")
     for name in names:
         unit = SCENARIOS[name][2]
