@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ckpt = Path(args.ckpt_dir) / CKPT_NAME
     start = load(ckpt, model, optimizer)
+    # Rank 0's checkpoint is the truth: other ranks may not see the same file (no shared volume
+    # on a cluster). DDP copies rank 0's weights at construction; the step must follow them.
+    # (The optimizer is plain SGD, so it has no state to copy.)
+    agreed = torch.tensor([start], dtype=torch.long, device=info.device)
+    dist.broadcast(agreed, src=0)
+    start = int(agreed.item())
     ddp = DistributedDataParallel(model)
     say(f"resume step={start} rank={rank} world={world} restart={restart}")
     if args.crash_always:

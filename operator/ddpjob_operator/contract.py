@@ -51,6 +51,9 @@ classifies a pod that ends with it as ``Preempted`` rather than failed.
 """
 
 DEFAULT_RDZV_PORT = 29400
+STORE_READ_TIMEOUT = 10
+"""Seconds a blocking read of the rendezvous store may take (torch: 60). A peer that dies just
+after a round forms leaves the others blocked this long before they rejoin."""
 DEFAULT_STATE_DIR = "/var/run/ddpjob"
 DEFAULT_STATE_FILE = f"{DEFAULT_STATE_DIR}/state.json"
 
@@ -97,6 +100,7 @@ class AgentContract:
             "close_timeout": str(self.close_timeout),
             "keep_alive_interval": str(self.keep_alive_interval),
             "keep_alive_max_attempt": str(self.keep_alive_max_attempt),
+            "read_timeout": str(STORE_READ_TIMEOUT),
         }
 
 

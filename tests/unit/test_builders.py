@@ -85,6 +85,7 @@ def test_env_contract_only_pod0_hosts_the_store() -> None:
         "close_timeout": "30",
         "keep_alive_interval": "1",
         "keep_alive_max_attempt": "5",
+        "read_timeout": "10",
     }
     assert contract.parse_rdzv_conf(env1["PET_RDZV_CONF"])["is_host"] == "false"
     assert env0["PET_LOCAL_ADDR"] == {"fieldRef": {"fieldPath": "status.podIP"}}

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
     RunResult,
@@ -208,11 +209,20 @@ class DdpjobAgent(LocalElasticAgent):
             try:
                 super()._rendezvous(worker_group)
                 break
-            except RendezvousConnectionError as exc:
+            except (RendezvousConnectionError, DistNetworkError) as exc:
                 if self._settings.is_host:
                     raise
                 logger.warning("rendezvous store unreachable while joining: %s", exc)
                 self._store_lost = True
+            except DistStoreError as exc:
+                # The round formed, then a peer vanished before it published its ranks (torch
+                # waits for them with the store's read timeout). Join the next round instead of
+                # dying: the lost peer is dropped from it after its heartbeats lapse.
+                if deadline is None:
+                    deadline = time.monotonic() + self._settings.join_timeout
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("the round broke before it started, rejoining: %s", exc)
         new_nodes = worker_group.group_world_size
         if new_nodes is None:
             raise RuntimeError("rendezvous completed without a world size")
