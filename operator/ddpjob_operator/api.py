@@ -64,15 +64,11 @@ class _Model(pydantic.BaseModel):
     )
 
 
-class _OpenModel(pydantic.BaseModel):
+class _OpenModel(_Model):
     """A Kubernetes object we only partly model; other fields are kept as they are."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="allow",
-        frozen=True,
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+        extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
 
 
@@ -377,12 +373,10 @@ class DDPJobStatus(_Model):
     ] = []
 
 
-class ObjectMeta(pydantic.BaseModel):
+class ObjectMeta(_Model):
     """The parts of metadata ddpjob reads; the rest is ignored."""
 
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
-    )
+    model_config = ConfigDict(extra="ignore")
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_JOB_NAME, pattern=JOB_NAME_PATTERN)]
     namespace: str = "default"
