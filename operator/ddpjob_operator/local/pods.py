@@ -128,6 +128,8 @@ class LocalPod:
     deleting_since: float | None = None
     disruption: str | None = None
     descendants: list[psutil.Process] = dataclasses.field(default_factory=list)
+    agent_state: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The agent's state file as of the last :meth:`refresh_state`."""
 
     @property
     def exit_code(self) -> int | None:
@@ -136,16 +138,17 @@ class LocalPod:
             return None
         return 128 - code if code < 0 else code  # -9 -> 137, as a container runtime reports it
 
-    def agent_state(self) -> Mapping[str, Any]:
+    def refresh_state(self) -> None:
+        """Read the agent's state file; once per tick, everyone else uses ``agent_state``."""
         try:
             data = json.loads(self.state_file.read_text())
         except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+            data = {}
+        self.agent_state = data if isinstance(data, dict) else {}
 
     def observe(self) -> ObservedPod:
         code = self.exit_code
-        state = self.agent_state() if code is None else {}
+        state = self.agent_state if code is None else {}
         if code is None:
             phase = PodPhase.RUNNING
         else:

@@ -94,7 +94,7 @@ class Progress:
         self.offsets[pod.log_path] = offset + last_line_end
         for match in _STEP.finditer(chunk[:last_line_end]):
             self.step = max(self.step or 0, int(match.group(1)))
-        state = pod.agent_state()
+        state = pod.agent_state
         restarts = state.get("restart_count")
         if isinstance(restarts, int):
             self.agent_restarts[pod.uid] = restarts  # net of refunds: the latest word counts
@@ -183,6 +183,8 @@ class LocalRunner:
             time.sleep(TICK_SECONDS)
 
     def _observe(self) -> Observed:
+        for pod in self.pods.values():
+            pod.refresh_state()
         return Observed(tuple(pod.observe() for pod in self.pods.values()), service=True)
 
     def _execute(self, action: Any, now: float) -> None:
@@ -219,7 +221,7 @@ class LocalRunner:
         status = self.job.status
         whole = status.ready_replicas >= desired_replicas(self.job.spec)
         completing = any(
-            p.exit_code == 0 or p.agent_state().get("phase") == "succeeded"
+            p.exit_code == 0 or p.agent_state.get("phase") == "succeeded"
             for p in self.pods.values()
         )
         degraded = not whole and not completing and not status.phase.is_finished

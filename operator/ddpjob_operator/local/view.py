@@ -37,7 +37,7 @@ def _pod_phase(pod: LocalPod) -> str:
         return "Terminating"
     code = pod.exit_code
     if code is None:
-        state = pod.agent_state().get("phase")
+        state = pod.agent_state.get("phase")
         return f"Running ({state})" if state else "Running"
     return "Succeeded" if code == 0 else f"Failed ({code})"
 
