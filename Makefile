@@ -10,7 +10,7 @@ EXAMPLE ?= examples/quickstart.yaml
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[operator,worker,dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[local,dev]'
 	touch $(STAMP)
 
 run: $(STAMP)  ## Run the example DDPJob on this machine

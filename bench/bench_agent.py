@@ -1,6 +1,6 @@
 """Benchmark: stock torchrun vs ``ddpjob-agent`` on the same scenarios, on this machine.
 
-Each scenario starts agents as local "nodes" on 127.0.0.1 (``ddpjob_worker.harness``), with the
+Each scenario starts agents as local "nodes" on 127.0.0.1 (``tests.harness``), with the
 same env contract for both launchers (the one the operator writes, including
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and measures wall time from outside the processes by
 polling the training script's log lines every 20 ms:
@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ddpjob_worker.harness import Cluster, Node
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
+from tests.harness import Cluster, Node
 
 POLL = 0.02
 TIMEOUT = 120.0

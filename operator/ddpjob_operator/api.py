@@ -34,8 +34,8 @@ import pydantic
 from pydantic import ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from ddpjob_operator import contract
 from ddpjob_operator.errors import FieldProblem, SpecError
+from ddpjob_worker import contract
 
 GROUP = "ddpjob.io"
 VERSION = "v1alpha1"

@@ -6,7 +6,7 @@ is reachable at ``<job>-worker-0.<job>.<namespace>.svc`` across replacements.
 
 What every pod gets unless the user set it already:
 
-* the env contract (:mod:`ddpjob_operator.contract`), so ``ddpjob-agent`` and plain ``torchrun``
+* the env contract (:mod:`ddpjob_worker.contract`), so ``ddpjob-agent`` and plain ``torchrun``
   join the same rendezvous;
 * a memory-backed ``/dev/shm`` sized from the trainer's memory (DataLoader workers crash with
   the 64 MB default);
@@ -24,7 +24,8 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity as _parse_quantity
 
-from ddpjob_operator import api, contract
+from ddpjob_operator import api
+from ddpjob_worker import contract
 
 JSON = dict[str, Any]
 

@@ -11,7 +11,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from ddpjob_operator import api, contract
+from ddpjob_operator import api
+from ddpjob_worker import contract
 
 
 class PodPhase(enum.StrEnum):

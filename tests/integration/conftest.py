@@ -1,4 +1,4 @@
-"""Fixtures for the agent integration tests (the harness is :mod:`ddpjob_worker.harness`)."""
+"""Fixtures for the agent integration tests (the harness is :mod:`tests.harness`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker.harness import Cluster
+from tests.harness import Cluster
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import pytest
 
-from ddpjob_operator.contract import EXIT_STOPPED_BY_SIGNAL
+from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
 from ddpjob_worker.errors import EXIT_ENDPOINT_UNREACHABLE
-from ddpjob_worker.harness import CKPT_RE, Cluster, Node, wait_until
 from ddpjob_worker.state import Phase
+from tests.harness import CKPT_RE, Cluster, Node, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from ddpjob_operator import builders, contract
+from ddpjob_operator import builders
+from ddpjob_worker import contract
 
 from .jobs import job
 

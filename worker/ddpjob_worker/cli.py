@@ -21,7 +21,7 @@ from collections.abc import MutableMapping, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from ddpjob_operator.contract import (
+from ddpjob_worker.contract import (
     DDPJOB_GRACE_SECONDS,
     DDPJOB_STATE_FILE,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpjob_operator.contract import EXIT_STOPPED_BY_SIGNAL
+from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
 
 EXIT_OK = 0
 EXIT_FAILED = 1

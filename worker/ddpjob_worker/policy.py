@@ -13,7 +13,7 @@ import enum
 import math
 from collections.abc import Iterator, Mapping
 
-from ddpjob_operator import contract
+from ddpjob_worker import contract
 
 DEFAULT_JOIN_TIMEOUT = 600.0
 """torch's c10d rendezvous default ``join_timeout`` (seconds)."""

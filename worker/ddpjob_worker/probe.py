@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ddpjob_operator.contract import DDPJOB_STATE_FILE, DEFAULT_STATE_FILE
+from ddpjob_worker.contract import DDPJOB_STATE_FILE, DEFAULT_STATE_FILE
 from ddpjob_worker.state import is_ready, read_state
 
 DEFAULT_MAX_AGE = 30.0

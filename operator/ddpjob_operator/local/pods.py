@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import json
 import re
 import shutil
 import signal
@@ -29,6 +28,7 @@ import psutil
 
 from ddpjob_operator.errors import DDPJobError
 from ddpjob_operator.observe import ObservedPod, PodPhase
+from ddpjob_worker.state import AgentState, Phase, read_state
 
 LOOPBACK = "127.0.0.1"
 _PR_SET_CHILD_SUBREAPER = 36
@@ -128,8 +128,8 @@ class LocalPod:
     deleting_since: float | None = None
     disruption: str | None = None
     descendants: list[psutil.Process] = dataclasses.field(default_factory=list)
-    agent_state: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """The agent's state file as of the last :meth:`refresh_state`."""
+    agent_state: AgentState | None = None
+    """The agent's state file as of the last :meth:`refresh_state` (None: none readable yet)."""
 
     @property
     def exit_code(self) -> int | None:
@@ -141,33 +141,30 @@ class LocalPod:
     def refresh_state(self) -> None:
         """Read the agent's state file; once per tick, everyone else uses ``agent_state``."""
         try:
-            data = json.loads(self.state_file.read_text())
+            self.agent_state = read_state(self.state_file)
         except (OSError, ValueError):
-            data = {}
-        self.agent_state = data if isinstance(data, dict) else {}
+            self.agent_state = None
 
     def observe(self) -> ObservedPod:
         code = self.exit_code
-        state = self.agent_state if code is None else {}
+        state = self.agent_state if code is None else None
+        running = state is not None and state.phase is Phase.RUNNING
         if code is None:
             phase = PodPhase.RUNNING
         else:
             phase = PodPhase.SUCCEEDED if code == 0 else PodPhase.FAILED
-        world = state.get("world_size")
         return ObservedPod(
             name=self.name,
             index=self.index,
             uid=self.uid,
             phase=phase,
-            ready=state.get("phase") == "running",
+            ready=running,
             deleting=self.deleting_since is not None,
             exit_code=code,
             disruption=self.disruption,
             message=f"logs: {self.log_path}" if code not in (None, 0) else "",
             node="localhost",
-            world_size=int(world)
-            if isinstance(world, int) and state.get("phase") == "running"
-            else None,
+            world_size=state.world_size if state is not None and running else None,
         )
 
     def remember_descendants(self) -> None:

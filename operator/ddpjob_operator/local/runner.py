@@ -55,6 +55,7 @@ from ddpjob_operator.reconcile import (
     desired_replicas,
     reconcile,
 )
+from ddpjob_worker.state import Phase as AgentPhase
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
@@ -94,10 +95,9 @@ class Progress:
         self.offsets[pod.log_path] = offset + last_line_end
         for match in _STEP.finditer(chunk[:last_line_end]):
             self.step = max(self.step or 0, int(match.group(1)))
-        state = pod.agent_state
-        restarts = state.get("restart_count")
-        if isinstance(restarts, int):
-            self.agent_restarts[pod.uid] = restarts  # net of refunds: the latest word counts
+        if pod.agent_state is not None:
+            # Net of refunds: the latest word counts.
+            self.agent_restarts[pod.uid] = pod.agent_state.restart_count
 
 
 class LocalRunner:
@@ -221,7 +221,8 @@ class LocalRunner:
         status = self.job.status
         whole = status.ready_replicas >= desired_replicas(self.job.spec)
         completing = any(
-            p.exit_code == 0 or p.agent_state.get("phase") == "succeeded"
+            p.exit_code == 0
+            or (p.agent_state is not None and p.agent_state.phase is AgentPhase.SUCCEEDED)
             for p in self.pods.values()
         )
         degraded = not whole and not completing and not status.phase.is_finished

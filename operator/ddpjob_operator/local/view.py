@@ -37,8 +37,8 @@ def _pod_phase(pod: LocalPod) -> str:
         return "Terminating"
     code = pod.exit_code
     if code is None:
-        state = pod.agent_state.get("phase")
-        return f"Running ({state})" if state else "Running"
+        state = pod.agent_state
+        return f"Running ({state.phase.value})" if state is not None else "Running"
     return "Succeeded" if code == 0 else f"Failed ({code})"
 
 

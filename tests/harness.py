@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from ddpjob_operator.contract import AgentContract, agent_env
+from ddpjob_worker.contract import AgentContract, agent_env
 from ddpjob_worker.state import AgentState, read_state
 
 REPO = Path(__file__).resolve().parents[2]
