@@ -7,6 +7,8 @@ prints parseable, flushed lines that the tests and the benchmark read::
     DDPJOB step=<s> rank=<r> world=<w> loss=<f>
     DDPJOB ckpt step=<s>
     DDPJOB sigterm rank=<r>
+    DDPJOB sigterm-done rank=<r>      (only with --sigterm-delay, after the delay)
+    DDPJOB crash pod=<p> step=<s>     (--crash-once-on-pod)
     DDPJOB done steps=<n> rank=<r>
 
 ``step=<s>`` in a ``ckpt`` or ``resume`` line is the number of steps completed.
@@ -52,7 +54,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--crash-always", action="store_true", help="exit 1 at step 0 on every rank"
     )
+    parser.add_argument(
+        "--crash-once-on-pod",
+        type=int,
+        default=None,
+        metavar="P",
+        help="on the pod whose DDPJOB_POD_INDEX is P, exit 1 at --crash-step, once per job "
+        "(a marker file in the checkpoint directory remembers it)",
+    )
+    parser.add_argument("--crash-step", type=int, default=5, help="step of --crash-once-on-pod")
+    parser.add_argument(
+        "--sigterm-delay",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, take this long to exit (a slow checkpoint); further SIGTERMs wait too",
+    )
+    parser.add_argument(
+        "--stuck-at-step",
+        type=int,
+        default=None,
+        help="at this step, rank 0 sleeps in uninterruptible kernel state (D) for --stuck-seconds "
+        "(a vfork whose child sleeps: Linux only), like a worker wedged on a device",
+    )
+    parser.add_argument("--stuck-seconds", type=float, default=5.0)
     return parser.parse_args(argv)
+
+
+def crash_marker(ckpt_dir: str, pod: int) -> Path:
+    return Path(ckpt_dir) / f"crashed-once-pod-{pod}"
+
+
+def stuck_in_kernel(seconds: float) -> None:
+    """Sit in uninterruptible sleep (state D): vfork, and let the child sleep before exiting."""
+    import ctypes  # noqa: PLC0415
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.vfork() == 0:  # the child shares our memory: only plain libc calls here
+        libc.usleep(int(seconds * 1_000_000))
+        libc._exit(0)
 
 
 def build_model() -> nn.Module:
@@ -93,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         say(f"sigterm rank={rank_hint}")
+        if args.sigterm_delay:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(args.sigterm_delay)
+            say(f"sigterm-done rank={rank_hint}")
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -115,7 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: --crash-always", file=sys.stderr, flush=True)
         return 1
     loss_fn = nn.MSELoss()
+    pod = os.environ.get("DDPJOB_POD_INDEX")
     for step in range(start, args.steps):
+        if args.crash_once_on_pod is not None and pod == str(args.crash_once_on_pod):
+            marker = crash_marker(args.ckpt_dir, args.crash_once_on_pod)
+            if step >= args.crash_step and not marker.exists():
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+                say(f"crash pod={pod} step={step}")
+                os._exit(1)
+        if args.stuck_at_step == step and rank == 0:
+            stuck_in_kernel(args.stuck_seconds)
         x, y = batch(step, rank)
         optimizer.zero_grad()
         loss = loss_fn(ddp(x.to(info.device)), y.to(info.device))

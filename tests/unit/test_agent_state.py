@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpjob_worker import probe
+from ddpjob_worker.contract import EXIT_INFRA, is_retryable_exit
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError
 from ddpjob_worker.state import (
@@ -169,4 +170,6 @@ def test_wait_for_endpoint_gives_up_at_the_deadline_naming_what_it_tried() -> No
     assert "over 5.0s (join timeout 600s)" in message
     assert "last error: DNS lookup of 'pod-0.svc' failed" in message
     assert fake.now == pytest.approx(5.0)
-    assert info.value.exit_code == 69
+    # Retryable under restartPolicy: ExitCode (it was 69, which ExitCode reads as permanent).
+    assert info.value.exit_code == EXIT_INFRA
+    assert is_retryable_exit(info.value.exit_code)

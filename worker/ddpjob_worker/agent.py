@@ -11,6 +11,15 @@ pure functions in :mod:`ddpjob_worker.policy`):
   stop our workers, wait for the endpoint to come back (bounded by the join timeout), build a
   fresh rendezvous handler (the old TCPStore client is dead) and join a new round. torch raises
   ``RendezvousConnectionError`` and exits.
+* A failure is charged only to the node where it started. When one node's worker dies, every
+  other node's workers fail too (their collective breaks); each agent reports its failure to
+  the round's store and, after a short settle window, only the earliest report is charged. The
+  others restart for free (torch charges every agent).
+* torch's own "stop restarting" decision (its uninterruptible-state watchdog) is honoured.
+* In a DDPJob pod, an agent that gives up does not close the rendezvous: its pod fails and is
+  replaced, and the others re-admit the replacement (torch closes it, ending the job).
+* Our one-shot SIGTERM/SIGINT handler is reinstalled after every worker start (torch installs
+  its own there).
 * Every transition is written to the state file (:mod:`ddpjob_worker.state`).
 
 Everything else (starting workers, their env, error files, signal forwarding on shutdown) is
@@ -48,18 +57,26 @@ from torch.distributed.elastic.rendezvous.utils import (  # torch's own hostname
 )
 from torch.distributed.launcher.api import LaunchConfig
 
+from ddpjob_worker import signals
 from ddpjob_worker.endpoint import wait_for_endpoint
-from ddpjob_worker.errors import EndpointUnreachableError
+from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
 from ddpjob_worker.policy import (
+    FAILURE_REPORTS_KEY,
+    FAILURE_SETTLE_SECONDS,
     HOST_LINGER_SECONDS,
     RESTART_STOP_SECONDS,
     Action,
     Budget,
+    FailureReport,
     Settings,
     WorkerStatus,
     decide,
+    format_report,
     is_membership_change,
+    is_root_cause,
+    parse_reports,
     split_endpoint,
+    static_master,
 )
 from ddpjob_worker.state import Failure, Phase, StateWriter
 
@@ -93,7 +110,8 @@ class DdpjobAgent(LocalElasticAgent):
             logs_specs=config.logs_specs,
             start_method=config.start_method,
             log_line_prefix_template=config.log_line_prefix_template,
-            shutdown_timeout=int(settings.grace_seconds),
+            # torch types it int, but only adds it to a deadline: a fraction is kept.
+            shutdown_timeout=settings.grace_seconds,  # type: ignore[arg-type]
         )
         self._params = params
         self._settings = settings
@@ -106,6 +124,9 @@ class DdpjobAgent(LocalElasticAgent):
         self._store_lost = False
         self._store_recoveries = 0
         self._rounds = 0
+        self._restarts_disabled = False
+        self._remaining_mirror = self._remaining_restarts
+        self.gave_up = False
 
     # -- the monitor loop -------------------------------------------------------------------
 
@@ -118,6 +139,10 @@ class DdpjobAgent(LocalElasticAgent):
         while True:
             time.sleep(spec.monitor_interval)
             result: RunResult = self._monitor_workers(group)
+            noticed_at = time.time()
+            if self._remaining_restarts != self._remaining_mirror:
+                # torch lowered its counter itself (its watchdog's way of saying "stop").
+                self._restarts_disabled = True
             group.state = result.state
             status = _STATUS.get(result.state)
             if status is None:
@@ -125,11 +150,16 @@ class DdpjobAgent(LocalElasticAgent):
             nodes_waiting, store_lost = 0, False
             if status is not WorkerStatus.SUCCEEDED:
                 nodes_waiting, store_lost = self._poll_rendezvous()
+            collateral = False
+            if status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
+                collateral = self._is_collateral(group, noticed_at)
             action = decide(
                 status,
                 remaining_restarts=self._budget.remaining,
                 nodes_waiting=nodes_waiting,
                 store_lost=store_lost,
+                collateral=collateral,
+                restarts_disabled=self._restarts_disabled,
             )
             if action is Action.CONTINUE:
                 if time.monotonic() - last_write >= self._heartbeat_seconds:
@@ -143,29 +173,27 @@ class DdpjobAgent(LocalElasticAgent):
             if status is WorkerStatus.FAILED:
                 self._state.update(last_failure=_describe_failure(result))
             if action is Action.GIVE_UP:
-                logger.error(
-                    "[%s] workers failed and the restart budget (%d) is used up",
-                    role,
-                    self._budget.max_restarts,
-                )
-                self._stop_workers(group)
-                group.state = WorkerState.FAILED
-                self._state.update(phase=Phase.FAILED)
+                self._give_up(role, group)
                 return result
             if action is Action.RESTART_CHARGED:
                 self._budget = self._budget.charge()
                 self._charge_pending = True
             else:
-                self._budget = self._budget.free_restart()
+                # Counted in TORCHELASTIC_RESTART_COUNT unless healthy workers only restart to
+                # admit a waiting node (torchrun does not count those either).
+                self._budget = self._budget.free_restart(
+                    after_failure=status is WorkerStatus.FAILED or store_lost
+                )
                 self._store_lost = self._store_lost or store_lost
             logger.info(
-                "[%s] %s: restarting workers (%s; nodes waiting %d; store lost %s; %d/%d "
-                "restarts left)",
+                "[%s] %s: restarting workers (%s; nodes waiting %d; store lost %s; "
+                "collateral %s; %d/%d restarts left)",
                 role,
                 status.value,
                 action.value,
                 nodes_waiting,
                 store_lost,
+                collateral,
                 self._budget.remaining,
                 self._budget.max_restarts,
             )
@@ -173,6 +201,71 @@ class DdpjobAgent(LocalElasticAgent):
             self._restart_workers(group)
             self._state.update(phase=Phase.RUNNING)
             last_write = time.monotonic()
+
+    def _give_up(self, role: str, group: WorkerGroup) -> None:
+        if self._restarts_disabled:
+            logger.error(
+                "[%s] workers failed and torch disabled restarts (a worker is stuck in "
+                "uninterruptible sleep): not restarting",
+                role,
+            )
+        else:
+            logger.error(
+                "[%s] workers failed and the restart budget (%d) is used up",
+                role,
+                self._budget.max_restarts,
+            )
+        self._stop_workers(group)
+        group.state = WorkerState.FAILED
+        self.gave_up = True
+        self._state.update(phase=Phase.FAILED)
+
+    def _is_collateral(self, group: WorkerGroup, noticed_at: float) -> bool:
+        """Report our failure to the round's store; after the settle window, was another node's
+        failure earlier? Then ours is collateral damage (its collective broke) and is free.
+
+        Decided from the agents' wall clocks at the moment each noticed its failure: the root
+        cause's worker dies first, the others' only fail once it is gone (its sockets close) and
+        they have unwound. Limits (docs/agent.md): clocks must agree to well within that gap,
+        two independent failures in one window charge only the earliest, and if the store does
+        not answer we charge, as torch does.
+        """
+        store = group.store
+        node = group.group_rank
+        if store is None or node is None:
+            return False
+        try:
+            store.append(FAILURE_REPORTS_KEY, format_report(FailureReport(noticed_at, node)))
+            time.sleep(FAILURE_SETTLE_SECONDS)
+            raw = store.get(FAILURE_REPORTS_KEY)
+        except Exception as exc:  # any store trouble: fall back to torch's rule (charge)
+            logger.warning("could not compare failure reports, charging this one: %s", exc)
+            return False
+        reports = parse_reports(raw.decode(errors="replace"))
+        root = is_root_cause(reports, node)
+        logger.info(
+            "failure reports of this round: %s; ours (node %d) is %s",
+            ", ".join(f"node {r.node} at {r.at:.3f}" for r in sorted(reports)),
+            node,
+            "the root cause" if root else "collateral (free restart)",
+        )
+        return not root
+
+    def _check_uninterruptible_state_timeout(
+        self, worker_group: WorkerGroup, timeout: float
+    ) -> RunResult | None:
+        """torch's D-state watchdog; when it fires it also disables restarts, which we honour."""
+        result: RunResult | None = super()._check_uninterruptible_state_timeout(
+            worker_group, timeout
+        )
+        if result is not None:
+            self._restarts_disabled = True
+        return result
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        ids: dict[int, Any] = super()._start_workers(worker_group)
+        signals.install()  # torch's PContext.start replaced our handler with its own
+        return ids
 
     def _poll_rendezvous(self) -> tuple[int, bool]:
         """``(nodes waiting to join, store lost)``, from one look at the rendezvous store."""
@@ -288,8 +381,18 @@ class DdpjobAgent(LocalElasticAgent):
     # -- helpers ---------------------------------------------------------------------------
 
     def _sync_budget(self, **changes: Any) -> None:
-        """Mirror the budget into torch's counter (TORCHELASTIC_RESTART_COUNT) and the state."""
-        self._remaining_restarts = self._budget.remaining
+        """Mirror the budget into torch's counter and the state.
+
+        torch derives ``TORCHELASTIC_RESTART_COUNT`` as ``max_restarts - _remaining_restarts``;
+        we make it count as torchrun counts (every restart after a failure, free or not), so
+        the counter may go below 0. Once torch has disabled restarts, it stays at 0.
+        """
+        spec = self._worker_group.spec
+        if self._restarts_disabled:
+            self._remaining_restarts = 0
+        else:
+            self._remaining_restarts = spec.max_restarts - self._budget.torchrun_restart_count
+        self._remaining_mirror = self._remaining_restarts
         self._state.update(
             restart_count=self._budget.restart_count,
             membership_restarts=self._budget.membership_restarts,
@@ -362,6 +465,8 @@ def launch(
     rdzv_configs = dict(config.rdzv_configs)
     if settings.is_host is not None and config.rdzv_backend == "c10d":
         rdzv_configs["is_host"] = "true" if settings.is_host else "false"
+    if settings.store_read_timeout is not None and config.rdzv_backend == "c10d":
+        rdzv_configs.setdefault("read_timeout", f"{settings.store_read_timeout:g}")
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -375,7 +480,7 @@ def launch(
     handler = _first_handler(params, settings, state)
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
-        master_addr, master_port = split_endpoint(config.rdzv_endpoint, default_port=-1)
+        master_addr, master_port = static_master(config.rdzv_endpoint)
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
@@ -405,9 +510,14 @@ def launch(
     succeeded = False
     try:
         result = agent.run()
-        if result.is_failed():
-            raise ChildFailedError(
-                name=_entrypoint_name(entrypoint, args), failures=result.failures
+        if result.is_failed() or agent.gave_up:
+            if result.failures:
+                raise ChildFailedError(
+                    name=_entrypoint_name(entrypoint, args), failures=result.failures
+                )
+            raise WorkersStuckError(
+                "workers were unhealthy and torch disabled restarts (a worker was stuck in "
+                "uninterruptible sleep)"
             )
         succeeded = True
         return dict(result.return_values)
@@ -416,6 +526,10 @@ def launch(
         shutdown_rdzv = False
         raise
     finally:
+        if settings.in_ddpjob_pod and not succeeded:
+            # Our pod fails and the operator replaces it; the other agents carry on and re-admit
+            # the replacement. Closing the rendezvous would end the job on every pod.
+            shutdown_rdzv = False
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
             if settings.is_host and not succeeded:

@@ -11,30 +11,37 @@ signals and logging, and maps outcomes to exit codes (see :mod:`ddpjob_worker.er
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
-import signal
 import sys
 import time
 import uuid
-from collections.abc import MutableMapping, Sequence
-from types import FrameType
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, NoReturn
 
+from ddpjob_worker import compat, signals
 from ddpjob_worker.contract import (
     DDPJOB_GRACE_SECONDS,
     DDPJOB_STATE_FILE,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
 )
 from ddpjob_worker.errors import (
-    EXIT_ENDPOINT_UNREACHABLE,
-    EXIT_FAILED,
+    EXIT_INFRA,
     EXIT_OK,
     EXIT_STOPPED,
     EXIT_USAGE,
-    EndpointUnreachableError,
+    EXIT_WORKER_FAILED,
+    AgentError,
+    ConfigError,
 )
-from ddpjob_worker.policy import DEFAULT_HEARTBEAT_SECONDS, resolve_settings
+from ddpjob_worker.policy import (
+    DEFAULT_HEARTBEAT_SECONDS,
+    Settings,
+    exit_code_for_worker,
+    resolve_settings,
+    static_master,
+)
 from ddpjob_worker.state import Failure, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.cli")
@@ -72,16 +79,6 @@ def apply_env_defaults(environ: MutableMapping[str, str]) -> None:
     environ.setdefault(TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
 
 
-def _raise_signal(signum: int, frame: FrameType | None) -> None:
-    from torch.distributed.elastic.multiprocessing import SignalException
-
-    # One-shot: a second signal during the grace period must not abort the shutdown.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    sigval = signal.Signals(signum)
-    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
-
-
 def _prepare(args: argparse.Namespace) -> None:
     """torchrun's ``run()`` pre-processing: --standalone and the single-node static default."""
     from torch.distributed.run import parse_min_max_nnodes
@@ -100,28 +97,48 @@ def _prepare(args: argparse.Namespace) -> None:
         args.master_port = 29500
 
 
-def _run(args: argparse.Namespace, writer: StateWriter) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import record
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    config: Any  # torch's LaunchConfig (torch is imported lazily)
+    entrypoint: Callable[..., Any] | str
+    args: list[str]
+    settings: Settings
+
+
+def _configure(args: argparse.Namespace) -> _Plan:
+    """Everything checked before the run starts: a problem here is a usage error (exit 2)."""
     from torch.distributed.run import config_from_args
 
-    from ddpjob_worker.agent import launch
-
     _prepare(args)
-    config, entrypoint, cmd_args = config_from_args(args)
-    grace = args.grace_seconds
-    if grace is None and not os.environ.get(DDPJOB_GRACE_SECONDS, "").strip():
-        grace = args.shutdown_timeout  # torchrun's own flag, if given
-    settings = resolve_settings(
-        config.rdzv_configs, os.environ, grace_flag=grace, state_file_flag=args.state_file
-    )
+    try:
+        config, entrypoint, cmd_args = config_from_args(args)
+        settings = resolve_settings(
+            config.rdzv_configs,
+            os.environ,
+            grace_flag=args.grace_seconds,
+            state_file_flag=args.state_file,
+            shutdown_timeout_flag=args.shutdown_timeout,  # torchrun's own flag, if given
+        )
+        if config.rdzv_backend == "static":
+            static_master(config.rdzv_endpoint)
+    except (ValueError, AssertionError) as exc:
+        # torchrun's config_from_args validates with AssertionError/ValueError.
+        raise ConfigError(str(exc)) from exc
+    return _Plan(config, entrypoint, list(cmd_args), settings)
+
+
+def _run(plan: _Plan, writer: StateWriter) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ddpjob_worker.agent import launch
 
     @record
     def run() -> dict[int, Any]:
         return launch(
-            config,
-            entrypoint,
-            cmd_args,
-            settings=settings,
+            plan.config,
+            plan.entrypoint,
+            plan.args,
+            settings=plan.settings,
             state=writer,
             heartbeat_seconds=DEFAULT_HEARTBEAT_SECONDS,
         )
@@ -142,18 +159,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="[ddpjob-agent %(asctime)s %(levelname)s %(name)s] %(message)s",
         stream=sys.stderr,
     )
+    if not _torch_ok(argv):
+        return _exit_now(EXIT_USAGE)
     apply_env_defaults(os.environ)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_signal)
+    signals.install()
 
     args = build_parser().parse_args(argv)
     state_file = args.state_file or os.environ.get(DDPJOB_STATE_FILE) or None
     writer = StateWriter(state_file, max_restarts=args.max_restarts)
     writer.update(phase=Phase.WAITING)
     code = _main(args, writer)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+    signals.ignore()
     return _exit_now(code)
+
+
+def _torch_ok(argv: Sequence[str]) -> bool:
+    """Refuse an untested torch (see :mod:`ddpjob_worker.compat`); ``--help`` always works."""
+    if "-h" in argv or "--help" in argv:
+        return True
+    may_run, message = compat.check_torch(compat.installed_torch(), os.environ)
+    if message is not None:
+        if may_run:
+            logger.warning("%s", message)
+        else:
+            print(f"ddpjob-agent: error: {message}", file=sys.stderr, flush=True)
+    return may_run
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -184,28 +214,34 @@ def _main(args: argparse.Namespace, writer: StateWriter) -> int:
         return code
 
     try:
-        _run(args, writer)
+        plan = _configure(args)
+    except ConfigError as exc:
+        print(f"ddpjob-agent: error: {exc}", file=sys.stderr, flush=True)
+        return fail(str(exc), EXIT_USAGE)
+    try:
+        _run(plan, writer)
     except SignalException as exc:
         logger.warning("stopped by %s after forwarding it to the workers", exc.sigval.name)
         writer.update(phase=Phase.STOPPED)
         return EXIT_STOPPED
-    except EndpointUnreachableError as exc:
-        print(f"ddpjob-agent: error: {exc}", file=sys.stderr, flush=True)
-        return fail(str(exc), EXIT_ENDPOINT_UNREACHABLE)
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr, flush=True)  # type: ignore[no-untyped-call]
-        return fail(f"workers failed: {exc.name}", EXIT_FAILED)
+        _, first = exc.get_first_failure()
+        code = exit_code_for_worker(first.exitcode)
+        return fail(f"workers failed: {exc.name} (first failure exit code {first.exitcode})", code)
     except RendezvousClosedError as exc:
+        # Only outside a DDPJob pod: there, agents that give up do not close the rendezvous.
+        # Another agent closed it because its workers failed for good: the job has ended.
         message = "the rendezvous was closed by another agent: the job has ended"
         print(f"ddpjob-agent: error: {message} ({exc})", file=sys.stderr, flush=True)
-        return fail(message, EXIT_FAILED)
-    except (ValueError, AssertionError) as exc:
-        # torchrun's config_from_args validates with AssertionError/ValueError.
+        return fail(message, EXIT_WORKER_FAILED)
+    except AgentError as exc:
         print(f"ddpjob-agent: error: {exc}", file=sys.stderr, flush=True)
-        return fail(str(exc), EXIT_USAGE)
+        return fail(str(exc), exc.exit_code)
     except Exception as exc:
+        # The rendezvous broke, the store failed, or a bug of ours: infrastructure, retryable.
         logger.exception("agent failed")
-        return fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+        return fail(f"{type(exc).__name__}: {exc}", EXIT_INFRA)
     writer.update(phase=Phase.SUCCEEDED)
     return EXIT_OK
 

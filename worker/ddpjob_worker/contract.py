@@ -37,12 +37,37 @@ DDPJOB_STATE_FILE = "DDPJOB_STATE_FILE"
 """Where the agent keeps its JSON state (round, world size, restarts, last failure)."""
 DDPJOB_GRACE_SECONDS = "DDPJOB_GRACE_SECONDS"
 """How long the agent waits for its workers after forwarding SIGTERM before it kills them."""
+DDPJOB_STORE_READ_TIMEOUT = "DDPJOB_STORE_READ_TIMEOUT"
+"""Our short rendezvous-store read timeout (seconds). Only ddpjob-agent applies it (as the c10d
+``read_timeout``). It is *not* put in ``PET_RDZV_CONF``: torch also uses ``read_timeout`` as the
+TCPStore *connect* timeout, so plain torchrun on pod 1 would give up after that long when pod 0
+starts late. ddpjob-agent waits for the endpoint itself before it connects."""
 
 # Reliability setting for torch's elastic agent: do not let the workers' process group reuse
 # the rendezvous TCP store. With sharing on, a restart hangs in gloo init 5 times in 12 and a
 # scale-up never completes (TORCHRUN-BASELINE.md). Set only if the user has not set it.
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
+# Exit codes of ddpjob-agent, following the Kubeflow convention that ``restartPolicy: ExitCode``
+# relies on: 1-127 is permanent (the user's script failed), 128-255 is retryable.
+EXIT_OK = 0
+EXIT_USAGE = 2
+"""Bad flags or env, or an untested torch, found before the run starts (argparse's code).
+Permanent: a replacement pod would fail the same way."""
+EXIT_WORKER_FAILED = 1
+"""The restart budget is used up and the first failed worker's exit code is not usable (the
+agent otherwise exits with that worker's own code 1-127, or 128+N when it died of signal N)."""
+EXIT_RETRYABLE_MIN = 128
+"""Codes from here up are retryable under ``restartPolicy: ExitCode``."""
+EXIT_INFRA = 200
+"""Infrastructure trouble, retryable: the rendezvous store was unreachable (or never came up
+within the join timeout), the rendezvous broke, torch's watchdog found a worker stuck in the
+kernel, or the agent hit an unexpected error during the run.
+
+Why 200: 128+N is what a shell (and our agent) reports for a process killed by signal N, and
+Linux signals go up to 64 (SIGRTMAX), so 129-192 can all mean "killed by a signal" (137 is the
+OOM killer's SIGKILL, 143 a SIGTERM). 200 is above every signal code, so it never passes for
+one, and it is not 255 (what ``exit(-1)`` becomes)."""
 EXIT_STOPPED_BY_SIGNAL = 143
 """The agent's exit code after a graceful stop on SIGTERM/SIGINT: 128 + SIGTERM.
 
@@ -50,10 +75,17 @@ Under ``restartPolicy: ExitCode`` it falls in the retryable range (128-255), and
 classifies a pod that ends with it as ``Preempted`` rather than failed.
 """
 
+
+def is_retryable_exit(code: int) -> bool:
+    """Whether ``restartPolicy: ExitCode`` retries a pod that exited with ``code``."""
+    return code >= EXIT_RETRYABLE_MIN
+
+
 DEFAULT_RDZV_PORT = 29400
 STORE_READ_TIMEOUT = 10
 """Seconds a blocking read of the rendezvous store may take (torch: 60). A peer that dies just
-after a round forms leaves the others blocked this long before they rejoin."""
+after a round forms leaves the others blocked this long before they rejoin. Carried in
+``DDPJOB_STORE_READ_TIMEOUT`` (see there), not in ``PET_RDZV_CONF``."""
 DEFAULT_STATE_DIR = "/var/run/ddpjob"
 DEFAULT_STATE_FILE = f"{DEFAULT_STATE_DIR}/state.json"
 
@@ -100,7 +132,6 @@ class AgentContract:
             "close_timeout": str(self.close_timeout),
             "keep_alive_interval": str(self.keep_alive_interval),
             "keep_alive_max_attempt": str(self.keep_alive_max_attempt),
-            "read_timeout": str(STORE_READ_TIMEOUT),
         }
 
 
@@ -139,5 +170,6 @@ def agent_env(contract: AgentContract) -> dict[str, str]:
         DDPJOB_RDZV_HOST: "1" if contract.is_host else "0",
         DDPJOB_STATE_FILE: contract.state_file,
         DDPJOB_GRACE_SECONDS: str(contract.grace_seconds),
+        DDPJOB_STORE_READ_TIMEOUT: str(STORE_READ_TIMEOUT),
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
     }

@@ -1,17 +1,35 @@
-"""The agent's errors and exit codes. Stdlib only."""
+"""The agent's errors and exit codes. Stdlib only.
+
+The codes themselves live in :mod:`ddpjob_worker.contract` (the operator reads them too); the
+table is in docs/agent.md.
+"""
 
 from __future__ import annotations
 
-from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
+from ddpjob_worker.contract import (
+    EXIT_INFRA,
+    EXIT_OK,
+    EXIT_STOPPED_BY_SIGNAL,
+    EXIT_USAGE,
+    EXIT_WORKER_FAILED,
+)
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-"""Workers failed and the restart budget is used up, or the agent hit an error (as torchrun)."""
-EXIT_USAGE = 2
-"""Bad flags or env (argparse's code)."""
-EXIT_ENDPOINT_UNREACHABLE = 69
-"""The rendezvous endpoint never resolved/accepted connections within the join timeout
-(``EX_UNAVAILABLE`` from sysexits.h)."""
+__all__ = [
+    "EXIT_ENDPOINT_UNREACHABLE",
+    "EXIT_INFRA",
+    "EXIT_OK",
+    "EXIT_STOPPED",
+    "EXIT_USAGE",
+    "EXIT_WORKER_FAILED",
+    "AgentError",
+    "ConfigError",
+    "EndpointUnreachableError",
+]
+
+EXIT_ENDPOINT_UNREACHABLE = EXIT_INFRA
+"""The rendezvous endpoint never resolved/accepted connections within the join timeout.
+Retryable infrastructure trouble (it was 69, ``EX_UNAVAILABLE``, which ``restartPolicy:
+ExitCode`` reads as permanent)."""
 EXIT_STOPPED = EXIT_STOPPED_BY_SIGNAL
 """Stopped by SIGTERM/SIGINT after forwarding it to the workers (143)."""
 
@@ -19,7 +37,7 @@ EXIT_STOPPED = EXIT_STOPPED_BY_SIGNAL
 class AgentError(Exception):
     """Base of the agent's own errors."""
 
-    exit_code = EXIT_FAILED
+    exit_code = EXIT_INFRA
 
 
 class EndpointUnreachableError(AgentError):
@@ -32,3 +50,7 @@ class ConfigError(AgentError):
     """A flag or environment variable has a bad value; the message names it."""
 
     exit_code = EXIT_USAGE
+
+
+class WorkersStuckError(AgentError):
+    """torch's watchdog found a worker stuck in the kernel and disabled restarts."""

@@ -4,6 +4,9 @@
 * :func:`decide`: what to do after one look at the workers (the monitor loop's only branch).
 * :func:`is_membership_change`: the refund rule for provisionally charged restarts.
 * :func:`resolve_settings`: read our settings from torchrun's parsed ``--rdzv-conf`` and the env.
+* :func:`is_root_cause` (with :func:`format_report` / :func:`parse_reports`): which node's failure
+  started a round's collapse, so that only that node is charged.
+* :func:`exit_code_for_worker`: the agent's exit code after its first failed worker.
 """
 
 from __future__ import annotations
@@ -83,18 +86,32 @@ class Action(enum.StrEnum):
 
 
 def decide(
-    status: WorkerStatus, *, remaining_restarts: int, nodes_waiting: int, store_lost: bool
+    status: WorkerStatus,
+    *,
+    remaining_restarts: int,
+    nodes_waiting: int,
+    store_lost: bool,
+    collateral: bool = False,
+    restarts_disabled: bool = False,
 ) -> Action:
     """The monitor loop's decision after one look at the workers.
 
     ``store_lost`` means the rendezvous store did not answer (its host is gone). That is a
     membership change, so it restarts for free even when workers failed because of it.
+    ``collateral`` means our workers failed only because another node's failed first (see
+    :func:`is_root_cause`): a free restart. ``restarts_disabled`` is torch's own "stop
+    restarting" decision (its uninterruptible-state watchdog): failed workers are not restarted,
+    whatever the budget says.
     """
     if status is WorkerStatus.SUCCEEDED:
         return Action.FINISH
+    if status is WorkerStatus.FAILED and restarts_disabled:
+        return Action.GIVE_UP
     if store_lost:
         return Action.RESTART_FREE
     if status is WorkerStatus.FAILED:
+        if collateral:
+            return Action.RESTART_FREE
         return Action.RESTART_CHARGED if remaining_restarts > 0 else Action.GIVE_UP
     if nodes_waiting > 0:
         return Action.RESTART_FREE
@@ -140,11 +157,20 @@ class Budget:
     charged: int = 0
     refunded: int = 0
     free: int = 0
+    free_after_failure: int = 0
+    """Free restarts that followed a failure of our workers (collateral, or store lost)."""
 
     @property
     def restart_count(self) -> int:
-        """Net restarts, the value of ``TORCHELASTIC_RESTART_COUNT``."""
+        """Net restarts: charged minus refunded (the state file's ``restart_count``)."""
         return self.charged - self.refunded
+
+    @property
+    def torchrun_restart_count(self) -> int:
+        """``TORCHELASTIC_RESTART_COUNT`` as torchrun counts it: every restart after our workers
+        failed, charged or not (scripts resume from a checkpoint only when it is > 0). Restarts
+        of healthy workers for a node that waits to join do not count, as in torchrun."""
+        return self.charged + self.free_after_failure
 
     @property
     def remaining(self) -> int:
@@ -160,8 +186,12 @@ class Budget:
             raise ValueError("nothing to refund: no restart is charged")
         return dataclasses.replace(self, refunded=self.refunded + 1)
 
-    def free_restart(self) -> Budget:
-        return dataclasses.replace(self, free=self.free + 1)
+    def free_restart(self, *, after_failure: bool = False) -> Budget:
+        return dataclasses.replace(
+            self,
+            free=self.free + 1,
+            free_after_failure=self.free_after_failure + (1 if after_failure else 0),
+        )
 
     @property
     def membership_restarts(self) -> int:
@@ -197,6 +227,11 @@ class Settings:
     join_timeout: float
     grace_seconds: float
     state_file: str | None
+    in_ddpjob_pod: bool = False
+    """Launched by the operator (``DDPJOB_POD_INDEX`` set): an agent that spends its budget
+    exits without closing the rendezvous, so its pod alone is replaced."""
+    store_read_timeout: float | None = None
+    """``read_timeout`` to give the c10d rendezvous when ``--rdzv-conf`` has none."""
 
 
 def resolve_settings(
@@ -205,11 +240,14 @@ def resolve_settings(
     *,
     grace_flag: float | None = None,
     state_file_flag: str | None = None,
+    shutdown_timeout_flag: float | None = None,
 ) -> Settings:
     """Combine ``--rdzv-conf`` and our ``DDPJOB_*`` env; flags win over env.
 
     ``is_host`` in the conf wins over ``DDPJOB_RDZV_HOST``; when they disagree the conf is what
-    torch will act on, so it is what we act on too.
+    torch will act on, so it is what we act on too. The grace period is, first found:
+    ``--grace-seconds``, ``DDPJOB_GRACE_SECONDS``, torchrun's ``--shutdown-timeout``, torch's
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 25 s. Fractions are kept.
     """
     is_host: bool | None = None
     if contract.DDPJOB_RDZV_HOST in env and env[contract.DDPJOB_RDZV_HOST].strip():
@@ -223,12 +261,30 @@ def resolve_settings(
         grace = grace_flag
     elif env.get(contract.DDPJOB_GRACE_SECONDS, "").strip():
         grace = parse_seconds(contract.DDPJOB_GRACE_SECONDS, env[contract.DDPJOB_GRACE_SECONDS])
+    elif shutdown_timeout_flag is not None:
+        grace = parse_seconds("--shutdown-timeout", str(shutdown_timeout_flag))
+    elif env.get(TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "").strip():
+        grace = parse_seconds(TORCH_ELASTIC_SHUTDOWN_TIMEOUT, env[TORCH_ELASTIC_SHUTDOWN_TIMEOUT])
     else:
         grace = DEFAULT_GRACE_SECONDS
     state_file = state_file_flag or env.get(contract.DDPJOB_STATE_FILE) or None
+    read_timeout: float | None = None
+    if "read_timeout" not in rdzv_conf and env.get(contract.DDPJOB_STORE_READ_TIMEOUT, "").strip():
+        read_timeout = parse_seconds(
+            contract.DDPJOB_STORE_READ_TIMEOUT, env[contract.DDPJOB_STORE_READ_TIMEOUT]
+        )
     return Settings(
-        is_host=is_host, join_timeout=join_timeout, grace_seconds=grace, state_file=state_file
+        is_host=is_host,
+        join_timeout=join_timeout,
+        grace_seconds=grace,
+        state_file=state_file,
+        in_ddpjob_pod=bool(env.get(contract.DDPJOB_POD_INDEX, "").strip()),
+        store_read_timeout=read_timeout,
     )
+
+
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+"""torch's env default for ``--shutdown-timeout`` (torch.distributed.launcher.api)."""
 
 
 def split_endpoint(
@@ -256,3 +312,74 @@ def split_endpoint(
     if not 0 <= port <= 65535:
         raise ValueError(f"endpoint {endpoint!r} has port {port} outside 0-65535")
     return host, port
+
+
+def static_master(endpoint: str) -> tuple[str, int]:
+    """The master ``(host, port)`` of ``--rdzv-backend=static``: the port is required.
+
+    Raises ValueError with a message naming the endpoint (torch would go on with port -1).
+    """
+    host, port = split_endpoint(endpoint, default_port=-1)
+    if port < 0:
+        raise ValueError(
+            f"--rdzv-backend=static needs a port in --rdzv-endpoint (host:port), got {endpoint!r}"
+        )
+    return host, port
+
+
+def exit_code_for_worker(exitcode: int) -> int:
+    """The agent's exit code when it gives up after its first failed worker exited so.
+
+    A worker killed by signal N (torch reports ``-N``) gives 128+N, as a shell does: an OOM
+    kill (SIGKILL) gives 137, retryable under ``restartPolicy: ExitCode``. A worker's own code
+    1-255 is passed on (1-127: the script failed, permanent). Anything else gives
+    :data:`contract.EXIT_WORKER_FAILED`.
+    """
+    if exitcode < 0:
+        return min(128 - exitcode, 255)
+    if 1 <= exitcode <= 255:
+        return exitcode
+    return contract.EXIT_WORKER_FAILED
+
+
+FAILURE_SETTLE_SECONDS = 1.0
+"""After reporting a worker failure to the round's store, how long an agent waits for earlier
+reports before deciding whether its failure was the root cause. Must exceed the time between
+two agents noticing the same collapse (tens to hundreds of ms) plus a store round trip."""
+FAILURE_REPORTS_KEY = "ddpjob/failures"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class FailureReport:
+    """One agent's report of its workers' failure in a round: when it noticed, and who it is."""
+
+    at: float
+    node: int
+
+
+def format_report(report: FailureReport) -> str:
+    return f"{report.at:.6f}@{report.node};"
+
+
+def parse_reports(text: str) -> list[FailureReport]:
+    """Parse the round's appended reports; malformed items (a torn write) are skipped."""
+    reports = []
+    for item in text.split(";"):
+        at, sep, node = item.strip().partition("@")
+        if not sep:
+            continue
+        try:
+            reports.append(FailureReport(at=float(at), node=int(node)))
+        except ValueError:
+            continue
+    return reports
+
+
+def is_root_cause(reports: list[FailureReport], node: int) -> bool:
+    """Whether ``node``'s failure is the round's root cause: the earliest report (ties broken by
+    node rank, so exactly one node is charged). A node with no report counts as root cause
+    (nothing to compare with: charge, as torch would)."""
+    mine = [r for r in reports if r.node == node]
+    if not mine:
+        return True
+    return min(reports) >= min(mine)
