@@ -6,14 +6,17 @@ Exit codes: 0 success, 1 the job failed, 2 bad input (file, YAML, spec, command 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from ddpjob_operator import crd
+from ddpjob_operator import api, crd
 from ddpjob_operator.errors import DDPJobError, ManifestError
 from ddpjob_operator.local.options import add_run_arguments
 from ddpjob_operator.manifest import load_job_file
@@ -21,6 +24,7 @@ from ddpjob_operator.manifest import load_job_file
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -52,17 +56,27 @@ def _run(args: argparse.Namespace) -> int:
     return run_job(args)
 
 
-_REPLICAS_LINE = re.compile(r"^(?P<indent>[ \t]+)replicas:[ \t]*[0-9]+[ \t]*(?P<rest>#.*)?$", re.M)
+_REPLICAS_LINE = re.compile(
+    r"^(?P<indent>[ \t]+)replicas:[ \t]*[0-9]+[ \t]*(?P<rest>#[^\r\n]*)?(?P<cr>\r?)$", re.M
+)
+
+
+def _documents(text: str) -> list[Any] | None:
+    """The YAML documents of ``text`` (None: it does not parse)."""
+    try:
+        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError:
+        return None
 
 
 def _scale(args: argparse.Namespace) -> int:
-    """Set ``spec.replicas`` in a manifest, keeping its comments. ``ddpjob run`` follows it."""
+    """Set ``spec.replicas`` in a manifest, keeping its comments. ``ddpjob run`` follows it.
+
+    The edit is a one-line text change, so it is checked: the edited file must read back as the
+    same document with only ``spec.replicas`` changed, or the file is left untouched.
+    """
     path = Path(args.file)
     job = load_job_file(path)
-    text = path.read_text(encoding="utf-8")
-    match = _REPLICAS_LINE.search(text)
-    if match is None:
-        raise ManifestError(f"{path}: found no 'replicas: N' line under spec to edit")
     spec = job.spec
     if not spec.effective_min <= args.replicas <= spec.effective_max:
         raise ManifestError(
@@ -70,13 +84,43 @@ def _scale(args: argparse.Namespace) -> int:
             f"({spec.effective_min}..{spec.effective_max}): "
             "raise maxReplicas or lower minReplicas first"
         )
-    line = f"{match.group('indent')}replicas: {args.replicas}"
-    if match.group("rest"):
-        line += f" {match.group('rest')}"
-    edited = text[: match.start()] + line + text[match.end() :]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(edited, encoding="utf-8")
-    tmp.replace(path)
+    with path.open(encoding="utf-8", newline="") as file:
+        text = file.read()  # line endings as they are: a CRLF file stays CRLF
+    documents = _documents(text)
+    doc = documents[0] if documents and len(documents) == 1 else None
+    if not (isinstance(doc, dict) and isinstance(doc.get("spec"), dict)):
+        raise ManifestError(f"{path}: changed while being read; run ddpjob scale again")
+    wanted = doc
+    wanted["spec"]["replicas"] = args.replicas
+    api.parse_job(wanted, source=str(path))  # the asked value must be valid on its own
+    candidates = list(_REPLICAS_LINE.finditer(text))
+    if not candidates:
+        raise ManifestError(
+            f"{path}: left untouched: found no 'replicas: N' line to edit; write spec.replicas "
+            "on a line of its own under spec (block style), or edit the file by hand"
+        )
+    for match in candidates:  # the first line that really is spec.replicas
+        line = f"{match.group('indent')}replicas: {args.replicas}"
+        if match.group("rest"):
+            line += f" {match.group('rest')}"
+        edited = text[: match.start()] + line + match.group("cr") + text[match.end() :]
+        if _documents(edited) == [wanted]:
+            break
+    else:
+        numbers = ", ".join(str(text.count("\n", 0, m.start()) + 1) for m in candidates)
+        raise ManifestError(
+            f"{path}: left untouched: no 'replicas: N' line is spec.replicas (editing line "
+            f"{numbers} would not read back as spec.replicas {args.replicas} with nothing else "
+            "changed); write spec.replicas on a line of its own under spec (block style), "
+            "or edit the file by hand"
+        )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(edited, encoding="utf-8", newline="")
+        shutil.copymode(path, tmp)
+        tmp.replace(path)  # atomic: a running `ddpjob run` never reads half a file
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"{path}: spec.replicas {spec.replicas} -> {args.replicas}")
     return EXIT_OK
 
@@ -112,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DDPJobError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C outside `ddpjob run`'s own handling: no traceback
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""`ddpjob validate` and `ddpjob crd`, as a user runs them: real processes, exit codes, stderr."""
+"""`ddpjob validate`, `ddpjob crd` and `ddpjob scale`, as a user runs them: real processes, exit codes, stderr."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -79,3 +80,70 @@ def test_crd_prints_the_checked_in_crd() -> None:
     result = ddpjob("crd")
     assert result.returncode == 0
     assert result.stdout == (ROOT / "deploy" / "crd.yaml").read_text()
+
+
+# ---- ddpjob scale ----------------------------------------------------------------------------
+
+_TEMPLATE = {"spec": {"containers": [{"name": "t", "image": "i", "command": ["ddpjob-agent"]}]}}
+_HEAD = """apiVersion: ddpjob.io/v1alpha1
+kind: DDPJob
+metadata:
+  name: demo
+  annotations:
+    # replicas: 9 (a comment)
+    notes: |
+      replicas: 7
+"""
+
+
+def _spec_replicas(path: Path) -> int:
+    return int(yaml.safe_load(path.read_text())["spec"]["replicas"])
+
+
+def test_scale_edits_spec_replicas_only_and_keeps_comments(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    text = _HEAD + (
+        "spec:\n"
+        f"  template: {json.dumps(_TEMPLATE)}\n"
+        "  replicas: 2   # scaled by ddpjob scale\n"
+        "  maxReplicas: 4\n"
+    )
+    path.write_text(text)
+    result = ddpjob("scale", str(path), "3")
+    assert (result.returncode, result.stdout.strip()) == (0, f"{path}: spec.replicas 2 -> 3")
+    assert path.read_text() == text.replace("replicas: 2   #", "replicas: 3 #")
+    assert _spec_replicas(path) == 3
+    assert yaml.safe_load(path.read_text())["metadata"]["annotations"]["notes"] == "replicas: 7\n"
+
+
+@pytest.mark.parametrize(
+    ("spec", "replicas", "message"),
+    [
+        # Flow style: the only `replicas: N` line is inside the annotation's block scalar.
+        (
+            "spec: " + json.dumps({"replicas": 2, "maxReplicas": 4, "template": _TEMPLATE}),
+            "3",
+            "left untouched: no 'replicas: N' line is spec.replicas (editing line 8 would not "
+            "read back as spec.replicas 3",
+        ),
+        (
+            "spec:\n  replicas: 2\n  maxReplicas: 4\n  template: " + json.dumps(_TEMPLATE),
+            "5",
+            "replicas 5 is outside minReplicas..maxReplicas (2..4)",
+        ),
+    ],
+    ids=["not-spec-replicas", "out-of-range"],
+)
+def test_scale_refuses_and_leaves_the_file_untouched(
+    tmp_path: Path, spec: str, replicas: str, message: str
+) -> None:
+    path = tmp_path / "job.yaml"
+    text = _HEAD + spec + "\n"
+    path.write_text(text)
+    result = ddpjob("scale", str(path), replicas)
+    assert result.returncode == 2, result
+    assert result.stderr.startswith(f"error: {path}: "), result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert path.read_text() == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
