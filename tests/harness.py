@@ -25,7 +25,7 @@ from pathlib import Path
 from ddpjob_worker.contract import AgentContract, agent_env
 from ddpjob_worker.state import AgentState, read_state
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
 """The example script, when running from a checkout (tests, bench)."""
 TAG_ENV = "DDPJOB_TEST_TAG"
@@ -222,23 +222,39 @@ class Cluster:
             state_file=str(self.tmp / f"state-{index}-{self._launches}.json"),
         )
 
-    def start(self, index: int, train_args: list[str], *, stock: bool = False) -> Node:
-        """Start node ``index`` (0 hosts the store) with ``ddpjob-agent`` or stock torchrun."""
+    def start(
+        self,
+        index: int,
+        train_args: list[str],
+        *,
+        stock: bool = False,
+        env: dict[str, str | None] | None = None,
+    ) -> Node:
+        """Start node ``index`` (0 hosts the store) with ``ddpjob-agent`` or stock torchrun.
+
+        ``env`` adds variables, or removes those set to None (e.g. ``DDPJOB_POD_INDEX``, to run
+        the agent as outside a DDPJob pod).
+        """
         contract = self.contract(index)
-        env = {
+        full = {
             **os.environ,
             **agent_env(contract),
             TAG_ENV: self.tag,
             "DDPJOB_CKPT_DIR": str(self.ckpt_dir),
             "PYTHONUNBUFFERED": "1",
         }
+        for key, value in (env or {}).items():
+            if value is None:
+                full.pop(key, None)
+            else:
+                full[key] = value
         launcher = ["-m", "torch.distributed.run"] if stock else ["-m", "ddpjob_worker.cli"]
         log = self.tmp / f"node-{index}-{self._launches}.log"
         self._launches += 1
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, *launcher, str(TRAIN), *train_args],
-                env=env,
+                env=full,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
