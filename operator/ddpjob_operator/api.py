@@ -50,6 +50,10 @@ MAX_JOB_NAME = 40
 
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_RECENT_FAILURES = 20
+POD_FINALIZER = "ddpjob.io/pod-tracking"
+"""On every pod ddpjob creates; removed only once the pod's outcome is in the job's status, so
+a pod that is force-deleted or garbage-collected is still counted exactly once (the Job
+controller's ``batch.kubernetes.io/job-tracking``)."""
 
 
 class _Model(pydantic.BaseModel):
@@ -99,6 +103,22 @@ class CleanPodPolicy(enum.StrEnum):
     RUNNING = "Running"
     ALL = "All"
     NONE = "None"
+
+
+class SecurityProfile(enum.StrEnum):
+    """The pod security defaults ddpjob adds (values set in the template always win).
+
+    * ``Baseline`` (default): ``seccompProfile: RuntimeDefault`` and no privilege escalation.
+      Images that run as root (``pytorch/pytorch``, the NGC PyTorch images) work unchanged, and
+      so does NCCL over InfiniBand, which needs ``IPC_LOCK``. Meets the Kubernetes *baseline*
+      Pod Security Standard.
+    * ``Restricted``: also ``runAsNonRoot: true`` and every capability dropped, on every
+      container. Meets the *restricted* Pod Security Standard; the image must run as a non-root
+      user (or the template must set ``runAsUser``).
+    """
+
+    BASELINE = "Baseline"
+    RESTRICTED = "Restricted"
 
 
 class Rendezvous(_Model):
@@ -180,6 +200,33 @@ class PodTemplate(_Model):
 
 NprocPerNode = Annotated[int, Field(ge=1)] | Literal["auto"]
 
+IMMUTABLE_WHILE_RUNNING = (
+    "minReplicas",
+    "maxReplicas",
+    "nprocPerNode",
+    "rendezvous",
+    "maxRestarts",
+    "template",
+)
+"""Spec fields baked into the pods: fixed unless the job is suspended (or being suspended)."""
+
+
+def _immutable_rule(field: str) -> pydantic.JsonValue:
+    suspended = "(has(self.suspend) && self.suspend) || (has(oldSelf.suspend) && oldSelf.suspend)"
+    same = (
+        f"has(self.{field}) == has(oldSelf.{field}) && "
+        f"(!has(self.{field}) || self.{field} == oldSelf.{field})"
+    )
+    return {
+        "rule": f"{suspended} || ({same})",
+        "message": (
+            f"spec.{field} cannot change while the job runs (its pods are built from it): "
+            "set spec.suspend: true first, change it, then resume; or delete and re-create the "
+            "job"
+        ),
+        "fieldPath": f".{field}",
+    }
+
 
 class DDPJobSpec(_Model):
     """What the user asks for. ``minReplicas <= replicas <= maxReplicas``."""
@@ -195,7 +242,8 @@ class DDPJobSpec(_Model):
                     ),
                     "message": "replicas must lie within minReplicas..maxReplicas",
                     "fieldPath": ".replicas",
-                }
+                },
+                *[_immutable_rule(field) for field in IMMUTABLE_WHILE_RUNNING],
             ]
         }
     )
@@ -248,6 +296,27 @@ class DDPJobSpec(_Model):
         bool, Field(description="Delete every pod and keep the job; false resumes.")
     ] = False
     clean_pod_policy: CleanPodPolicy = CleanPodPolicy.RUNNING
+    security_profile: Annotated[
+        SecurityProfile | None,
+        Field(
+            description=(
+                "Pod security defaults: Baseline (works with root images) or Restricted "
+                "(non-root, no capabilities). Default: the operator's --security-profile, "
+                "else Baseline."
+            )
+        ),
+    ] = None
+    force_delete_after_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            description=(
+                "A deleted pod still Terminating this long after its grace period ended (its "
+                "node is lost and no kubelet confirms) is force-deleted, so that it can be "
+                "replaced under the same name."
+            ),
+        ),
+    ] = 30
     shm_size: Annotated[
         str | None,
         Field(
@@ -311,25 +380,27 @@ class ConditionType(enum.StrEnum):
 
 
 class Condition(_Model):
-    """A Kubernetes-style condition. ``lastTransitionTime`` changes only when ``status`` does."""
+    """A Kubernetes-style condition. ``lastTransitionTime`` changes only when ``status`` does.
+
+    ``type`` is any string: a condition another controller (or a newer ddpjob) wrote must not
+    make the job unparseable. :class:`ConditionType` lists the ones ddpjob writes.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
-    type: ConditionType
+    type: str
     status: Literal["True", "False", "Unknown"]
     reason: str
     message: str = ""
     last_transition_time: dt.datetime
 
 
-FAILURE_REASON_PATTERN = r"^(Preempted|Evicted|OOMKilled|NodeLost|Deleted|ExitCode\([0-9]+\))$"
-
-
 class PodFailure(_Model):
     """One pod that ended badly, with a classified reason.
 
     ``reason`` is one of ``Preempted``, ``Evicted``, ``OOMKilled``, ``NodeLost``, ``Deleted`` or
-    ``ExitCode(n)``. ``charged`` says whether it counted against ``backoffLimit``.
+    ``ExitCode(n)`` (read leniently: another version may write others). ``charged`` says
+    whether it counted against ``backoffLimit``.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -337,12 +408,22 @@ class PodFailure(_Model):
     pod: str
     index: int
     uid: str | None = None
-    reason: Annotated[str, Field(pattern=FAILURE_REASON_PATTERN)]
+    reason: str
     exit_code: int | None = None
     message: str = ""
     node: str | None = None
     charged: bool
     time: dt.datetime
+
+
+class PodWaiting(_Model):
+    """A pod of the job that cannot start yet, and why (image pull, scheduling, config)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    pod: str
+    reason: str
+    message: str = ""
 
 
 class DDPJobStatus(_Model):
@@ -368,8 +449,30 @@ class DDPJobStatus(_Model):
     start_time: dt.datetime | None = None
     completion_time: dt.datetime | None = None
     below_min_since: dt.datetime | None = None
+    succeeded: Annotated[
+        int, Field(ge=0, description="Pods whose trainer finished successfully.")
+    ] = 0
     failures: Annotated[
-        list[PodFailure], Field(description=f"The {MAX_RECENT_FAILURES} most recent pod failures.")
+        list[PodFailure],
+        Field(
+            description=(
+                f"The {MAX_RECENT_FAILURES} most recent pod failures (for people: the counts "
+                "above are exact, this list is not the ledger)."
+            )
+        ),
+    ] = []
+    waiting: Annotated[
+        list[PodWaiting],
+        Field(description="Pods that cannot start yet, with the reason (until the job has run)."),
+    ] = []
+    accounted_pods: Annotated[
+        list[str],
+        Field(
+            description=(
+                "UIDs of pods whose outcome is already in this status (counted, or deleted by "
+                f"the operator) and whose {POD_FINALIZER} finalizer is still to be removed."
+            )
+        ),
     ] = []
 
 

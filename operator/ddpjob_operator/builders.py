@@ -11,7 +11,9 @@ What every pod gets unless the user set it already:
 * a memory-backed ``/dev/shm`` sized from the trainer's memory (DataLoader workers crash with
   the 64 MB default);
 * NCCL settings that fail fast instead of hanging;
-* a non-root, no-privilege-escalation security context;
+* a security context that images running as root tolerate (``spec.securityProfile``:
+  ``Baseline`` by default, ``Restricted`` on request; see ``api.SecurityProfile``);
+* the pod-tracking finalizer, removed once the pod's outcome is counted;
 * ``restartPolicy: Never``: the agent restarts workers in place, the operator replaces pods.
 """
 
@@ -249,10 +251,6 @@ def _trainer(container: JSON, job: api.DDPJob, index: int, network: Network) -> 
             }
         )
     out["ports"] = ports
-    security = dict(out.get("securityContext") or {})
-    security.setdefault("allowPrivilegeEscalation", False)
-    security.setdefault("capabilities", {"drop": ["ALL"]})
-    out["securityContext"] = security
     command = out.get("command") or []
     if "readinessProbe" not in out and command[:1] == ["ddpjob-agent"]:
         out["readinessProbe"] = {
@@ -263,7 +261,46 @@ def _trainer(container: JSON, job: api.DDPJob, index: int, network: Network) -> 
     return out
 
 
-def build_pod(job: api.DDPJob, index: int, network: Network = CLUSTER) -> JSON:
+def security_profile(
+    spec: api.DDPJobSpec, default: api.SecurityProfile = api.SecurityProfile.BASELINE
+) -> api.SecurityProfile:
+    """``spec.securityProfile``, else the operator's default."""
+    return spec.security_profile or default
+
+
+def _secure_container(container: JSON, profile: api.SecurityProfile) -> JSON:
+    out = dict(container)
+    security = dict(out.get("securityContext") or {})
+    security.setdefault("allowPrivilegeEscalation", False)
+    if profile is api.SecurityProfile.RESTRICTED:
+        security.setdefault("capabilities", {"drop": ["ALL"]})
+        security.setdefault("runAsNonRoot", True)
+    out["securityContext"] = security
+    return out
+
+
+def _secure_pod(spec: JSON, profile: api.SecurityProfile) -> None:
+    security = dict(spec.get("securityContext") or {})
+    security.setdefault("seccompProfile", {"type": "RuntimeDefault"})
+    if profile is api.SecurityProfile.RESTRICTED:
+        security.setdefault("runAsNonRoot", True)
+    spec["securityContext"] = security
+    if profile is not api.SecurityProfile.RESTRICTED:
+        # Baseline touches only the trainer: sidecars (a mesh's init container needs
+        # NET_ADMIN) are the user's business.
+        spec["containers"][0] = _secure_container(spec["containers"][0], profile)
+        return
+    for key in ("containers", "initContainers"):
+        if key in spec:
+            spec[key] = [_secure_container(c, profile) for c in spec[key]]
+
+
+def build_pod(
+    job: api.DDPJob,
+    index: int,
+    network: Network = CLUSTER,
+    default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
+) -> JSON:
     """Pod ``index`` of the job, complete. Pod 0 hosts the c10d store."""
     template = job.spec.template
     spec: JSON = template.spec.model_dump(by_alias=True, exclude_none=True)
@@ -282,11 +319,9 @@ def build_pod(job: api.DDPJob, index: int, network: Network = CLUSTER) -> JSON:
     spec["hostname"] = pod_name(job.name, index)
     spec["subdomain"] = service_name(job.name)
     spec.setdefault("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
-    security = dict(spec.get("securityContext") or {})
-    security.setdefault("runAsNonRoot", True)
-    security.setdefault("seccompProfile", {"type": "RuntimeDefault"})
-    spec["securityContext"] = security
+    _secure_pod(spec, security_profile(job.spec, default_profile))
     meta = _metadata(job, pod_name(job.name, index), index, template.metadata.labels or {})
+    meta["finalizers"] = [api.POD_FINALIZER]
     if template.metadata.annotations:
         meta["annotations"] = dict(template.metadata.annotations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}

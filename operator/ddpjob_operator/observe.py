@@ -1,12 +1,25 @@
 """What the reconciler sees of a pod, and why a pod failed. Pure: no I/O.
 
 The Kubernetes executor turns Pod objects into :class:`ObservedPod` with :func:`observe_pod`;
-the local runner builds them from its processes. The reconciler only ever sees these.
+the local runner builds them from its processes. The reconciler only ever sees these, and every
+classification rule lives here, in :func:`classify`.
+
+Pods are read the way the kubelet and the controllers write them:
+
+* the trainer is found **by name** (the first container of the pod spec): the kubelet sorts
+  ``containerStatuses`` by name, so an ``istio-proxy`` sidecar may come first;
+* a pod whose trainer has terminated counts as finished with the trainer's exit code, even while
+  an ordinary (non-native) sidecar keeps the pod ``Running``;
+* ``DisruptionTarget`` conditions and the pod's ``status.reason`` are mapped with exact tables;
+* ``deletionTimestamp`` is when the grace period ends, so a pod still there well after it is
+  stuck (its node is lost);
+* a pod carries :data:`~ddpjob_operator.api.POD_FINALIZER` until its outcome is counted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import enum
 from collections.abc import Mapping
 from typing import Any
@@ -40,6 +53,37 @@ class Reason(enum.StrEnum):
 DISRUPTIONS = frozenset({Reason.PREEMPTED, Reason.EVICTED, Reason.NODE_LOST, Reason.DELETED})
 """Failures caused by the platform, not the training: replaced without charging backoffLimit."""
 
+DISRUPTION_TARGET_REASONS: Mapping[str, Reason] = {
+    "PreemptionByScheduler": Reason.PREEMPTED,
+    "PreemptionByKubeScheduler": Reason.PREEMPTED,  # its name in Kubernetes 1.26
+    "EvictionByEvictionAPI": Reason.EVICTED,
+    "TerminationByKubelet": Reason.EVICTED,  # node-pressure eviction, graceful node shutdown
+    "DeletionByTaintManager": Reason.NODE_LOST,
+    "DeletionByPodGC": Reason.NODE_LOST,  # the pod's node is gone
+}
+"""The reasons of a ``DisruptionTarget`` condition. Any other reason is still a disruption and
+reads as ``Evicted``."""
+
+STATUS_REASONS: Mapping[str, Reason] = {
+    "Evicted": Reason.EVICTED,  # kubelet node-pressure eviction
+    "NodeLost": Reason.NODE_LOST,
+    "Shutdown": Reason.EVICTED,  # graceful node shutdown (Kubernetes < 1.22)
+    "Terminated": Reason.EVICTED,  # graceful node shutdown
+    "UnexpectedAdmissionError": Reason.EVICTED,  # the kubelet rejected the pod at admission
+    "NodeAffinity": Reason.EVICTED,
+}
+"""A failed pod's ``status.reason``, set by the kubelet or the node controller. Reasons of the
+form ``OutOf<resource>`` (kubelet admission) read as ``Evicted`` too."""
+
+BENIGN_WAITING = frozenset({"ContainerCreating", "PodInitializing"})
+"""Waiting reasons that are part of every start: not reported as trouble."""
+
+SECURITY_HINT = (
+    "the image runs as root but the pod requires runAsNonRoot: set securityContext.runAsUser "
+    "(a non-root UID the image supports) in the template, or use spec.securityProfile: Baseline, "
+    "which works with root images"
+)
+
 
 def exit_code_reason(code: int) -> str:
     return f"ExitCode({code})"
@@ -49,9 +93,14 @@ def exit_code_reason(code: int) -> str:
 class ObservedPod:
     """One pod of the job as observed now.
 
-    ``disruption`` is the reason of a ``DisruptionTarget`` condition (or the pod's own status
-    reason) when the platform, not the trainer, ended the pod. ``world_size`` is what the pod's
-    agent reports, when known.
+    ``phase`` is the pod's phase as far as training goes: ``Succeeded``/``Failed`` as soon as
+    the trainer container has terminated, even while a sidecar keeps the pod ``Running``
+    (``sidecars_running`` then says so). ``disruption`` is the raw reason of a
+    ``DisruptionTarget`` condition or of the pod's own ``status.reason`` when the platform, not
+    the trainer, ended the pod. ``deletion_timestamp`` is Kubernetes': when the grace period of
+    a requested deletion ends. ``tracked``: the pod still carries our finalizer, so its outcome
+    has not been counted and removed from our books yet. ``world_size`` is what the pod's agent
+    reports, when known.
     """
 
     name: str
@@ -60,50 +109,146 @@ class ObservedPod:
     phase: PodPhase
     ready: bool = False
     deleting: bool = False
+    deletion_timestamp: dt.datetime | None = None
+    deletion_grace_seconds: float | None = None
+    tracked: bool = True
     exit_code: int | None = None
     container_reason: str | None = None
+    finished_at: dt.datetime | None = None
     disruption: str | None = None
     message: str = ""
     node: str | None = None
     world_size: int | None = None
+    waiting_reason: str | None = None
+    waiting_message: str = ""
+    sidecars_running: bool = False
 
     @property
     def live(self) -> bool:
         """Pending or running, and not on its way out."""
         return not self.deleting and not self.phase.terminated
 
+    @property
+    def ended(self) -> bool:
+        """Its outcome is known: the trainer terminated, or the pod is being deleted."""
+        return self.deleting or self.phase.terminated
+
+    @property
+    def holds_resources(self) -> bool:
+        """Some container may still run (the pod is not terminal as far as the node goes)."""
+        return not self.phase.terminated or self.sidecars_running
+
+    @property
+    def deletion_requested_at(self) -> dt.datetime | None:
+        if self.deletion_timestamp is None:
+            return None
+        return self.deletion_timestamp - dt.timedelta(seconds=self.deletion_grace_seconds or 0)
+
+
+def _disruption_reason(raw: str) -> Reason | None:
+    if raw in DISRUPTION_TARGET_REASONS:
+        return DISRUPTION_TARGET_REASONS[raw]
+    if raw in STATUS_REASONS:
+        return STATUS_REASONS[raw]
+    if raw.startswith("OutOf"):
+        return Reason.EVICTED
+    return None
+
+
+def _failed_before_deletion(pod: ObservedPod) -> bool:
+    """The trainer had already terminated when someone asked to delete the pod."""
+    requested = pod.deletion_requested_at
+    return (
+        pod.phase.terminated
+        and pod.finished_at is not None
+        and requested is not None
+        and pod.finished_at < requested
+    )
+
 
 def classify(pod: ObservedPod) -> str:
-    """Why a pod ended: Preempted, Evicted, OOMKilled, NodeLost, Deleted, or ExitCode(n)."""
-    disruption = (pod.disruption or "").lower()
-    if "preempt" in disruption or "shutdown" in disruption or "terminationbykubelet" in disruption:
-        return Reason.PREEMPTED
-    if "evict" in disruption:
-        return Reason.EVICTED
-    if "nodelost" in disruption or "taintmanager" in disruption or "unreachable" in disruption:
-        return Reason.NODE_LOST
+    """Why a pod ended: Preempted, Evicted, OOMKilled, NodeLost, Deleted, or ExitCode(n).
+
+    The operator's own deletions never get here (they are not failures). In order:
+
+    1. a disruption (``DisruptionTarget`` condition or ``status.reason``), by the exact tables;
+    2. deleted by someone else (``kubectl delete``) and the trainer had not terminated before
+       that: ``Deleted``, whatever exit code the kill left behind;
+    3. the trainer was OOM-killed: ``OOMKilled``;
+    4. the agent stopped gracefully on a signal (exit 143) with no other explanation:
+       ``Preempted``;
+    5. the trainer's exit code: ``ExitCode(n)``;
+    6. a pod in phase ``Unknown`` (its node stopped reporting): ``NodeLost``.
+    """
+    if pod.disruption is not None:
+        return _disruption_reason(pod.disruption) or Reason.EVICTED
+    if pod.deleting and not _failed_before_deletion(pod):
+        return Reason.DELETED
     if pod.container_reason == "OOMKilled":
         return Reason.OOM_KILLED
     if pod.exit_code == contract.EXIT_STOPPED_BY_SIGNAL:
-        return Reason.PREEMPTED  # the agent stopped gracefully on SIGTERM
+        return Reason.PREEMPTED
     if pod.exit_code is not None and pod.exit_code != 0:
         return exit_code_reason(pod.exit_code)
-    if pod.deleting or pod.phase is PodPhase.UNKNOWN:
-        return Reason.DELETED if pod.deleting else Reason.NODE_LOST
+    if pod.phase is PodPhase.UNKNOWN:
+        return Reason.NODE_LOST
     return exit_code_reason(pod.exit_code or 1)
 
 
-def _terminated_state(status: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The trainer container's terminated state (first container), if any."""
-    for container in status.get("containerStatuses") or []:
-        state = container.get("state") or {}
-        if "terminated" in state:
-            return dict(state["terminated"])
-        last = container.get("lastState") or {}
-        if "terminated" in last:
-            return dict(last["terminated"])
-        return {}
+# ---- reading a core/v1 Pod ----------------------------------------------------------------------
+
+
+def parse_time(value: object) -> dt.datetime | None:
+    """An RFC 3339 timestamp as Kubernetes writes it (``2026-11-22T12:00:00Z``)."""
+    if isinstance(value, dt.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def _container_status(statuses: object, name: str) -> Mapping[str, Any]:
+    for status in statuses if isinstance(statuses, list) else []:
+        if isinstance(status, Mapping) and status.get("name") == name:
+            return status
     return {}
+
+
+def _terminated(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    state = status.get("state") or {}
+    if "terminated" in state:
+        return dict(state["terminated"] or {})
+    return None
+
+
+def _waiting(
+    status: Mapping[str, Any], conditions: Mapping[str, Mapping[str, Any]]
+) -> tuple[str | None, str]:
+    """Why a pod that is not running yet cannot start: scheduling first, then its containers."""
+    scheduled = conditions.get("PodScheduled") or {}
+    if scheduled.get("status") == "False" and scheduled.get("reason"):
+        return str(scheduled["reason"]), str(scheduled.get("message") or "")
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for container in status.get(key) or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason and reason not in BENIGN_WAITING:
+                message = str(waiting.get("message") or "")
+                if reason == "CreateContainerConfigError" and "runAsNonRoot" in message:
+                    message = f"{message} (fix: {SECURITY_HINT})"
+                return str(reason), f"container {container.get('name')}: {message}".strip()
+    return None, ""
+
+
+def _effective_phase(phase: PodPhase, terminated: Mapping[str, Any] | None) -> PodPhase:
+    if phase.terminated or terminated is None:
+        return phase
+    # The trainer has terminated (pods run with restartPolicy Never) while a sidecar runs on.
+    return PodPhase.SUCCEEDED if terminated.get("exitCode") == 0 else PodPhase.FAILED
 
 
 def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
@@ -112,31 +257,51 @@ def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
     index_text = (meta.get("labels") or {}).get(api.LABEL_INDEX, "")
     if not index_text.isdigit():
         return None
+    spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     try:
-        phase = PodPhase(status.get("phase") or "Pending")
+        k8s_phase = PodPhase(status.get("phase") or "Pending")
     except ValueError:
-        phase = PodPhase.UNKNOWN
-    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+        k8s_phase = PodPhase.UNKNOWN
+    conditions: dict[str, Mapping[str, Any]] = {
+        str(c.get("type")): c for c in status.get("conditions") or [] if isinstance(c, Mapping)
+    }
     ready = (conditions.get("Ready") or {}).get("status") == "True"
-    disruption_condition = conditions.get("DisruptionTarget") or {}
     disruption = None
+    disruption_condition = conditions.get("DisruptionTarget") or {}
     if disruption_condition.get("status") == "True":
         disruption = str(disruption_condition.get("reason") or "DisruptionTarget")
-    elif status.get("reason") in ("Evicted", "NodeLost", "Shutdown", "Terminated", "Preempting"):
+    elif status.get("reason") and _disruption_reason(str(status["reason"])) is not None:
         disruption = str(status["reason"])
-    terminated = _terminated_state(status)
-    exit_code = terminated.get("exitCode")
+    containers = spec.get("containers") or [{}]
+    trainer_name = containers[0].get("name")
+    trainer = _container_status(status.get("containerStatuses"), str(trainer_name))
+    terminated = _terminated(trainer)
+    last = dict((trainer.get("lastState") or {}).get("terminated") or {})
+    ended = terminated if terminated is not None else last
+    phase = _effective_phase(k8s_phase, terminated)
+    exit_code = ended.get("exitCode")
+    waiting_reason, waiting_message = (
+        (None, "") if phase.terminated else _waiting(status, conditions)
+    )
+    grace = meta.get("deletionGracePeriodSeconds")
     return ObservedPod(
         name=str(meta.get("name", "")),
         index=int(index_text),
         uid=str(meta.get("uid") or meta.get("name", "")),
         phase=phase,
-        ready=ready,
+        ready=ready and not phase.terminated,
         deleting=meta.get("deletionTimestamp") is not None,
+        deletion_timestamp=parse_time(meta.get("deletionTimestamp")),
+        deletion_grace_seconds=float(grace) if grace is not None else None,
+        tracked=api.POD_FINALIZER in (meta.get("finalizers") or []),
         exit_code=int(exit_code) if exit_code is not None else None,
-        container_reason=terminated.get("reason"),
+        container_reason=ended.get("reason"),
+        finished_at=parse_time(ended.get("finishedAt")),
         disruption=disruption,
-        message=str(status.get("message") or terminated.get("message") or "")[:500],
-        node=(pod.get("spec") or {}).get("nodeName"),
+        message=str(status.get("message") or ended.get("message") or "")[:500],
+        node=spec.get("nodeName"),
+        waiting_reason=waiting_reason,
+        waiting_message=waiting_message[:500],
+        sidecars_running=phase.terminated and not k8s_phase.terminated,
     )

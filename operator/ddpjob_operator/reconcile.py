@@ -3,31 +3,44 @@
 It decides; it does nothing. An executor (the kopf operator's ``kube`` module, or the local
 runner) carries the decision out in this order:
 
-1. write ``decision.status`` (one write per pass),
+1. write ``decision.status`` (one write per pass, with a resourceVersion precondition),
 2. apply ``decision.actions`` in order,
 3. emit ``decision.events``,
 4. reconcile again after ``decision.requeue_after`` seconds at the latest.
 
-Writing the status first means a failure is counted before its pod is deleted, so a crash
-between the two can only re-delete a pod, never lose a failure: failures are keyed by pod uid.
+Counting is exact, the way the Job controller tracks pods with finalizers: every pod carries
+:data:`~ddpjob_operator.api.POD_FINALIZER`, so it cannot vanish before it is seen. A pod whose
+outcome is known (its trainer terminated, or it is being deleted) is counted once, its uid goes
+into ``status.accountedPods`` in the same status write, and only then is its finalizer removed.
+A pod with the finalizer whose uid is already accounted is never counted again; a pod without it
+was counted already. The operator's own deletions (scale-down, suspend, cleanup) put the pod's
+uid into ``accountedPods`` *before* the delete, so they are never failures.
 
-Rules, in the order they apply:
+Each pass sorts the pods into buckets once (:func:`sort_pods`), as JobSet and the Job controller
+do, and the rules read the buckets. Every classification rule lives in
+:func:`ddpjob_operator.observe.classify`. Rules, in the order they apply:
 
+* A DDPJob being deleted creates nothing; it only releases its pods' finalizers.
 * A finished job (Succeeded/Failed) only cleans up per ``cleanPodPolicy`` and honours
   ``ttlSecondsAfterFinished``.
-* ``suspend`` deletes every pod and resets the deadline clock; resuming starts over at Pending.
-* Every failed pod is accounted exactly once (by uid) with a classified reason, and charged to
-  ``backoffLimit`` unless it was a disruption. A pod deleted by someone else while it was part
-  of the job counts as ``Deleted``. Pods we delete (scale-down, suspend) never count.
+* Every ended pod is accounted exactly once with a classified reason, and charged to
+  ``backoffLimit`` unless it was a disruption (see :class:`~ddpjob_operator.api.RestartPolicy`).
+* ``suspend`` deletes every pod that holds resources and keeps Succeeded ones; resuming starts
+  over at Pending (no condition claims Restarting).
 * The job fails when the budget is spent, on a permanent exit code (``ExitCode`` policy), on
-  any failure (``Never`` policy), when ``activeDeadlineSeconds`` passes, or when running pods
-  stay below ``minReplicas`` for longer than ``rendezvous.joinTimeoutSeconds``.
+  any failure (``Never`` policy), when ``activeDeadlineSeconds`` passes, or when, after it has
+  run, running pods stay below ``minReplicas`` for longer than ``rendezvous.joinTimeoutSeconds``.
+  Pods that never started do not start that clock: their waiting reasons (image pulls,
+  scheduling, config errors) are in ``status.waiting``, the Running condition and Events.
 * Once any pod has succeeded the job is completing: nothing is created or replaced, and the job
   succeeds when no pod is left pending or running (Kubeflow trainer#1982 marks it Succeeded as
   soon as one worker does, while others still hold GPUs).
 * Otherwise: create the Service and every missing pod ``0..replicas-1``, delete failed pods so
   they can be recreated under the same name, and scale down by deleting the highest indices
   first (pod 0, the rendezvous host, is never removed while the job runs).
+* A pod still Terminating ``forceDeleteAfterSeconds`` after its grace period ended (its node is
+  lost; no kubelet will confirm) is force-deleted, and the pass asks to be requeued when that is
+  due, so the job never wedges (kubeflow trainer#2072).
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from ddpjob_operator.api import (
     DDPJobStatus,
     JobPhase,
     PodFailure,
+    PodWaiting,
     RestartPolicy,
 )
 from ddpjob_operator.observe import DISRUPTIONS, ObservedPod, PodPhase, classify
@@ -58,6 +72,8 @@ class DeleteWhy(enum.StrEnum):
     SCALE_DOWN = "ScaleDown"
     SUSPEND = "Suspend"
     CLEANUP = "Cleanup"
+    STUCK = "Stuck"
+    """Force-delete a pod stuck Terminating past its bound (``force`` is set)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +93,22 @@ class CreatePod:
 
 @dataclasses.dataclass(frozen=True)
 class DeletePod:
+    """Delete one pod, with a uid precondition. ``force``: ``gracePeriodSeconds: 0``."""
+
     name: str
     uid: str
     index: int
     why: DeleteWhy
+    force: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoveFinalizer:
+    """Remove :data:`~ddpjob_operator.api.POD_FINALIZER` from a pod whose outcome is counted."""
+
+    name: str
+    uid: str
+    index: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +116,7 @@ class DeleteJob:
     """``ttlSecondsAfterFinished`` has passed: delete the DDPJob itself."""
 
 
-Action = CreateService | CreatePod | DeletePod | DeleteJob
+Action = CreateService | CreatePod | DeletePod | RemoveFinalizer | DeleteJob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +140,7 @@ class Decision:
     status: DDPJobStatus
     events: tuple[Event, ...] = ()
     requeue_after: float | None = None
-    """Seconds until a time-based rule (deadline, below-min, TTL) is due, if any."""
+    """Seconds until a time-based rule (deadline, below-min, stuck pod, TTL) is due, if any."""
 
 
 def set_condition(
@@ -141,15 +169,55 @@ def desired_replicas(spec: api.DDPJobSpec) -> int:
     return min(max(spec.replicas, spec.effective_min), spec.effective_max)
 
 
+# ---- buckets ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The job's pods, sorted once per pass. A pod may sit in more than one bucket
+    (``uncounted`` overlaps the others)."""
+
+    active: tuple[ObservedPod, ...]
+    """Pending or running, not being deleted, index < desired."""
+    surplus: tuple[ObservedPod, ...]
+    """Pending or running, not being deleted, index >= desired: scale-down deletes them."""
+    succeeded: tuple[ObservedPod, ...]
+    """The trainer finished successfully (a sidecar may still run)."""
+    failed: tuple[ObservedPod, ...]
+    """The trainer failed and nobody is deleting the pod yet: replacing it deletes it first."""
+    uncounted: tuple[ObservedPod, ...]
+    """Tracked, ended, and not yet in the status: counted in this pass."""
+    terminating_by_us: tuple[ObservedPod, ...]
+    """Being deleted, and already accounted (ours, or counted on an earlier pass)."""
+    terminating_by_others: tuple[ObservedPod, ...]
+    """Being deleted by someone else, first seen now: a failure (Deleted or a disruption)."""
+
+    @property
+    def live(self) -> tuple[ObservedPod, ...]:
+        return self.active + self.surplus
+
+    @property
+    def terminating(self) -> tuple[ObservedPod, ...]:
+        return self.terminating_by_us + self.terminating_by_others
+
+
+def sort_pods(pods: Sequence[ObservedPod], accounted: Iterable[str], desired: int) -> Buckets:
+    done = set(accounted)
+    ordered = sorted(pods, key=lambda p: (p.index, p.name))
+    uncounted = tuple(p for p in ordered if p.tracked and p.ended and p.uid not in done)
+    fresh = {p.uid for p in uncounted}
+    return Buckets(
+        active=tuple(p for p in ordered if p.live and p.index < desired),
+        surplus=tuple(p for p in ordered if p.live and p.index >= desired),
+        succeeded=tuple(p for p in ordered if p.phase is PodPhase.SUCCEEDED),
+        failed=tuple(p for p in ordered if p.phase is PodPhase.FAILED and not p.deleting),
+        uncounted=uncounted,
+        terminating_by_us=tuple(p for p in ordered if p.deleting and p.uid not in fresh),
+        terminating_by_others=tuple(p for p in ordered if p.deleting and p.uid in fresh),
+    )
+
+
 # ---- failure accounting ----------------------------------------------------------------------
-
-
-def _needs_accounting(pod: ObservedPod, desired: int) -> bool:
-    if pod.phase is PodPhase.FAILED:
-        # A pod we are removing by scale-down ends Failed (SIGTERM); that is not a failure.
-        return not (pod.deleting and pod.index >= desired)
-    # Deleted by someone else (kubectl delete, node controller) while part of the job.
-    return pod.deleting and pod.phase is not PodPhase.SUCCEEDED and pod.index < desired
 
 
 def _charged(reason: str, policy: RestartPolicy) -> bool:
@@ -165,13 +233,14 @@ def _permanent(failure: PodFailure, policy: RestartPolicy) -> bool:
 
 
 def _account(
-    job: api.DDPJob, pods: Sequence[ObservedPod], status: DDPJobStatus, now: dt.datetime
+    job: api.DDPJob, buckets: Buckets, status: DDPJobStatus, now: dt.datetime
 ) -> tuple[DDPJobStatus, list[PodFailure]]:
-    seen = {f.uid for f in status.failures if f.uid}
-    desired = desired_replicas(job.spec)
+    """Count every pod in ``buckets.uncounted`` once: a success, or a classified failure."""
     new: list[PodFailure] = []
-    for pod in sorted(pods, key=lambda p: p.index):
-        if pod.uid in seen or not _needs_accounting(pod, desired):
+    successes = 0
+    for pod in buckets.uncounted:
+        if pod.phase is PodPhase.SUCCEEDED:
+            successes += 1
             continue
         reason = classify(pod)
         new.append(
@@ -187,14 +256,14 @@ def _account(
                 time=now,
             )
         )
-    if not new:
+    if not new and not successes:
         return status, []
-    failures = [*status.failures, *new][-api.MAX_RECENT_FAILURES :]
     status = status.model_copy(
         update={
-            "failures": failures,
+            "failures": [*status.failures, *new][-api.MAX_RECENT_FAILURES :],
             "restarts": status.restarts + len(new),
             "backoff_count": status.backoff_count + sum(f.charged for f in new),
+            "succeeded": status.succeeded + successes,
         }
     )
     return status, new
@@ -212,6 +281,61 @@ def _failure_event(job: api.DDPJob, failure: PodFailure, status: DDPJobStatus) -
     )
 
 
+def _bookkeeping(
+    pods: Sequence[ObservedPod],
+    status: DDPJobStatus,
+    counted: Iterable[ObservedPod],
+    actions: Sequence[Action],
+) -> tuple[list[str], list[Action]]:
+    """The next ``accountedPods`` and the finalizer removals that go with it.
+
+    A uid stays while its pod still carries our finalizer; pods we delete in this pass join
+    before the delete is carried out (the status is written first), so they never count.
+    """
+    tracked = {p.uid: p for p in pods if p.tracked}
+    deleted_now = {a.uid for a in actions if isinstance(a, DeletePod)}
+    accounted = {
+        uid
+        for uid in status.accounted_pods
+        if uid in tracked and (tracked[uid].ended or uid in deleted_now)
+    }
+    accounted |= {p.uid for p in counted}
+    accounted |= deleted_now & set(tracked)
+    removals: list[Action] = [
+        RemoveFinalizer(p.name, p.uid, p.index)
+        for p in sorted(tracked.values(), key=lambda p: p.index)
+        if p.uid in accounted
+    ]
+    return sorted(accounted), removals
+
+
+def _release_all(pods: Sequence[ObservedPod]) -> list[Action]:
+    """Finalizer removals for every pod still tracked (the job is over or going away)."""
+    return [
+        RemoveFinalizer(p.name, p.uid, p.index)
+        for p in sorted(pods, key=lambda p: p.index)
+        if p.tracked
+    ]
+
+
+def _force_stuck(
+    job: api.DDPJob, pods: Sequence[ObservedPod], now: dt.datetime
+) -> tuple[list[Action], float | None]:
+    """Force-delete pods stuck Terminating past their bound; when the next bound is due."""
+    slack = dt.timedelta(seconds=job.spec.force_delete_after_seconds)
+    actions: list[Action] = []
+    due: list[float] = []
+    for pod in sorted(pods, key=lambda p: p.index):
+        if not pod.deleting or pod.deletion_timestamp is None:
+            continue
+        bound = pod.deletion_timestamp + slack
+        if now >= bound:
+            actions.append(DeletePod(pod.name, pod.uid, pod.index, DeleteWhy.STUCK, force=True))
+        else:
+            due.append((bound - now).total_seconds())
+    return actions, min(due, default=None)
+
+
 # ---- verdicts ----------------------------------------------------------------------------------
 
 
@@ -222,13 +346,17 @@ class _Verdict:
     message: str
 
 
+def _waiting_summary(waiting: Sequence[PodWaiting]) -> str:
+    parts = [f"{w.pod} {w.reason}" + (f" ({w.message})" if w.message else "") for w in waiting]
+    return "; waiting: " + "; ".join(parts) if parts else ""
+
+
 def _failure_verdict(
     job: api.DDPJob,
     new: Sequence[PodFailure],
     status: DDPJobStatus,
     now: dt.datetime,
     running: int,
-    completing: bool,
 ) -> _Verdict | None:
     spec = job.spec
     for failure in new:
@@ -251,16 +379,19 @@ def _failure_verdict(
     deadline = spec.active_deadline_seconds
     start = status.start_time
     if deadline is not None and start is not None and now >= start + dt.timedelta(seconds=deadline):
-        return _Verdict(JobPhase.FAILED, "DeadlineExceeded", f"the job ran longer than {deadline}s")
+        return _Verdict(
+            JobPhase.FAILED,
+            "DeadlineExceeded",
+            f"the job ran longer than {deadline}s{_waiting_summary(status.waiting)}",
+        )
     timeout = spec.rendezvous.join_timeout_seconds
     since = status.below_min_since
-    below = not completing and since is not None and running < spec.effective_min
-    if below and since is not None and now >= since + dt.timedelta(seconds=timeout):
+    if since is not None and now >= since + dt.timedelta(seconds=timeout):
         return _Verdict(
             JobPhase.FAILED,
             "BelowMinReplicas",
             f"only {running} of minReplicas {spec.effective_min} pods ran for longer than "
-            f"rendezvous.joinTimeoutSeconds ({timeout}s)",
+            f"rendezvous.joinTimeoutSeconds ({timeout}s){_waiting_summary(status.waiting)}",
         )
     return None
 
@@ -269,9 +400,7 @@ def _cleanup(pods: Sequence[ObservedPod], policy: CleanPodPolicy) -> list[Action
     if policy is CleanPodPolicy.NONE:
         return []
     doomed = [
-        p
-        for p in pods
-        if not p.deleting and (policy is CleanPodPolicy.ALL or not p.phase.terminated)
+        p for p in pods if not p.deleting and (policy is CleanPodPolicy.ALL or p.holds_resources)
     ]
     return [
         DeletePod(p.name, p.uid, p.index, DeleteWhy.CLEANUP)
@@ -321,39 +450,64 @@ def _finished(
     now: dt.datetime,
     events: list[Event],
 ) -> Decision:
+    """After the verdict: clean up, release every finalizer, honour the TTL."""
     actions = _cleanup(pods, job.spec.clean_pod_policy)
-    status = status.model_copy(update={"replicas": sum(p.live for p in pods)})
+    stuck, requeue = _force_stuck(job, pods, now)
+    actions += stuck + _release_all(pods)
+    status = status.model_copy(
+        update={"replicas": sum(p.live for p in pods), "accounted_pods": [], "waiting": []}
+    )
     ttl = job.spec.ttl_seconds_after_finished
-    requeue = None
     if ttl is not None and status.completion_time is not None:
         expires = status.completion_time + dt.timedelta(seconds=ttl)
         if now >= expires:
             actions.append(DeleteJob())
         else:
-            requeue = (expires - now).total_seconds()
+            requeue = _sooner(requeue, (expires - now).total_seconds())
     return Decision(tuple(actions), status, tuple(events), requeue)
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
 
 
 # ---- the pass ------------------------------------------------------------------------------------
 
 
+def _being_deleted(job: api.DDPJob, pods: Sequence[ObservedPod], status: DDPJobStatus) -> Decision:
+    """The DDPJob has a deletionTimestamp: create nothing, let go of the pods."""
+    return Decision(tuple(_release_all(pods)), status.model_copy(update={"accounted_pods": []}))
+
+
 def _suspend(
-    job: api.DDPJob, pods: Sequence[ObservedPod], status: DDPJobStatus, now: dt.datetime
+    job: api.DDPJob,
+    pods: Sequence[ObservedPod],
+    buckets: Buckets,
+    status: DDPJobStatus,
+    now: dt.datetime,
+    events: list[Event],
 ) -> Decision:
+    """Delete every pod that holds resources (or failed); keep Succeeded ones: a completing job
+    stays completing."""
+    doomed = [
+        p for p in pods if not p.deleting and (p.holds_resources or p.phase is PodPhase.FAILED)
+    ]
     actions: list[Action] = [
         DeletePod(p.name, p.uid, p.index, DeleteWhy.SUSPEND)
-        for p in sorted(pods, key=lambda p: -p.index)
-        if not p.deleting
+        for p in sorted(doomed, key=lambda p: -p.index)
     ]
+    stuck, requeue = _force_stuck(job, pods, now)
+    actions += stuck
+    accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
     conditions = set_condition(
         status.conditions, ConditionType.SUSPENDED, True, "Suspended", "spec.suspend is true", now
     )
     conditions = set_condition(conditions, ConditionType.RUNNING, False, "Suspended", "", now)
-    events = (
-        []
-        if status.phase is JobPhase.SUSPENDED
-        else [Event("Normal", "Suspended", "job suspended; deleting its pods")]
-    )
+    conditions = set_condition(conditions, ConditionType.RESTARTING, False, "Suspended", "", now)
+    if status.phase is not JobPhase.SUSPENDED:
+        events.append(Event("Normal", "Suspended", "job suspended; deleting its pods"))
     status = status.model_copy(
         update={
             "phase": JobPhase.SUSPENDED,
@@ -363,9 +517,11 @@ def _suspend(
             "replicas": sum(p.live for p in pods),
             "ready_replicas": 0,
             "world_size": 0,
+            "waiting": [],
+            "accounted_pods": accounted,
         }
     )
-    return Decision(tuple(actions), status, tuple(events))
+    return Decision(tuple(actions + removals), status, tuple(events), requeue)
 
 
 def _world_size(job: api.DDPJob, live: Sequence[ObservedPod]) -> int:
@@ -387,14 +543,117 @@ def _phase(
     return JobPhase.PENDING
 
 
+def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
+    return [
+        PodWaiting(pod=p.name, reason=p.waiting_reason, message=p.waiting_message)
+        for p in live
+        if p.waiting_reason is not None
+    ]
+
+
+def _waiting_events(old: Sequence[PodWaiting], new: Sequence[PodWaiting]) -> list[Event]:
+    before = {(w.pod, w.reason) for w in old}
+    return [
+        Event("Warning", "PodWaiting", f"pod {w.pod} cannot start: {w.reason}: {w.message}")
+        for w in new
+        if (w.pod, w.reason) not in before
+    ]
+
+
+def _names(actions: Iterable[Action], kind: type[CreatePod] | type[DeletePod]) -> str:
+    return ", ".join(a.name for a in actions if isinstance(a, kind))
+
+
+def _run_actions(
+    job: api.DDPJob,
+    pods: Sequence[ObservedPod],
+    buckets: Buckets,
+    service: bool,
+    completing: bool,
+    network: builders.Network,
+    default_profile: api.SecurityProfile,
+) -> list[Action]:
+    """Service, replacements, scale-down (highest index first), then missing pods."""
+    actions: list[Action] = []
+    if not service:
+        actions.append(CreateService(builders.build_service(job)))
+    if completing:
+        return actions  # nothing is created or replaced once a pod has succeeded
+    present = {p.index for p in pods}
+    actions += [DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in buckets.failed]
+    actions += [
+        DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
+        for p in sorted(buckets.surplus, key=lambda p: -p.index)
+    ]
+    actions += [
+        CreatePod(i, builders.build_pod(job, i, network, default_profile))
+        for i in range(desired_replicas(job.spec))
+        if i not in present
+    ]
+    return actions
+
+
+def _action_events(job: api.DDPJob, actions: Sequence[Action]) -> list[Event]:
+    events = []
+    if any(isinstance(a, CreatePod) for a in actions):
+        events.append(Event("Normal", "CreatedPods", f"created {_names(actions, CreatePod)}"))
+    scaled_down = [a for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN]
+    if scaled_down:
+        events.append(
+            Event(
+                "Normal",
+                "ScalingDown",
+                f"spec.replicas is {job.spec.replicas}: deleting {_names(scaled_down, DeletePod)}",
+            )
+        )
+    return events
+
+
+def _running_conditions(
+    conditions: Sequence[Condition],
+    phase: JobPhase,
+    completing: bool,
+    running: int,
+    desired: int,
+    minimum: int,
+    waiting: Sequence[PodWaiting],
+    now: dt.datetime,
+) -> list[Condition]:
+    out = list(conditions)
+    if not _condition_true(out, ConditionType.CREATED):
+        out = set_condition(
+            out, ConditionType.CREATED, True, "Created", "pods and service created", now
+        )
+    out = set_condition(
+        out,
+        ConditionType.RUNNING,
+        phase is JobPhase.RUNNING,
+        "Completing"
+        if completing
+        else ("MinReplicasRunning" if phase is JobPhase.RUNNING else "WaitingForPods"),
+        f"{running} of {desired} pods running (minReplicas {minimum})" + _waiting_summary(waiting),
+        now,
+    )
+    return set_condition(
+        out,
+        ConditionType.RESTARTING,
+        phase is JobPhase.RESTARTING,
+        "ReplacingPods" if phase is JobPhase.RESTARTING else "NotRestarting",
+        "",
+        now,
+    )
+
+
 def reconcile(
     job: api.DDPJob,
     observed: Observed,
     now: dt.datetime,
     network: builders.Network = builders.CLUSTER,
+    default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
 ) -> Decision:
     """Decide what the job needs now. Pure and deterministic."""
     pods = observed.pods
+    spec = job.spec
     status = job.status.model_copy(
         update={
             "observed_generation": job.metadata.generation,
@@ -402,37 +661,39 @@ def reconcile(
         }
     )
     events: list[Event] = []
+    if job.metadata.deletion_timestamp is not None:
+        return _being_deleted(job, pods, status)
     if status.phase.is_finished:
         return _finished(job, pods, status, now, events)
-    if job.spec.suspend:
-        return _suspend(job, pods, status, now)
+
+    desired = desired_replicas(spec)
+    buckets = sort_pods(pods, status.accounted_pods, desired)
+    status, new_failures = _account(job, buckets, status, now)
+    events += [_failure_event(job, f, status) for f in new_failures]
+
+    if spec.suspend:
+        return _suspend(job, pods, buckets, status, now, events)
     if status.phase is JobPhase.SUSPENDED:
         events.append(Event("Normal", "Resumed", "job resumed"))
-        status = status.model_copy(
-            update={
-                "phase": JobPhase.PENDING,
-                "conditions": set_condition(
-                    status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
-                ),
-            }
+        conditions = set_condition(
+            status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
         )
+        status = status.model_copy(update={"phase": JobPhase.PENDING, "conditions": conditions})
     if status.start_time is None:
         status = status.model_copy(update={"start_time": now})
 
-    status, new_failures = _account(job, pods, status, now)
-    events += [_failure_event(job, f, status) for f in new_failures]
-
-    spec = job.spec
-    desired = desired_replicas(spec)
-    live = [p for p in pods if p.live]
+    live = buckets.live
     running = sum(p.phase is PodPhase.RUNNING for p in live)
-    completing = any(p.phase is PodPhase.SUCCEEDED for p in pods)
-    below_since = None
-    if not completing and running < spec.effective_min:
-        below_since = status.below_min_since or now
-    status = status.model_copy(update={"below_min_since": below_since})
+    completing = status.succeeded > 0 or bool(buckets.succeeded)
+    phase = _phase(completing, running, spec.effective_min, status.conditions)
+    waiting = _waiting(live)
+    events += _waiting_events(status.waiting, waiting)
+    # The below-minReplicas clock runs only once the job has run (Restarting): pods that never
+    # started (slow image pulls, nodes still being provisioned) are reported, not timed out.
+    below_since = (status.below_min_since or now) if phase is JobPhase.RESTARTING else None
+    status = status.model_copy(update={"below_min_since": below_since, "waiting": waiting})
 
-    verdict = _failure_verdict(job, new_failures, status, now, running, completing)
+    verdict = _failure_verdict(job, new_failures, status, now, running)
     if verdict is None and completing and not live:
         verdict = _Verdict(
             JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully"
@@ -440,49 +701,22 @@ def reconcile(
     if verdict is not None:
         return _finish(job, pods, status, verdict, now, events)
 
-    actions: list[Action] = []
-    if not observed.service:
-        actions.append(CreateService(builders.build_service(job)))
-    if not completing:
-        by_index = {p.index: p for p in pods}
-        for pod in sorted(pods, key=lambda p: p.index):
-            if pod.phase is PodPhase.FAILED and not pod.deleting and pod.index < desired:
-                actions.append(DeletePod(pod.name, pod.uid, pod.index, DeleteWhy.REPLACE))
-        actions += [
-            CreatePod(i, builders.build_pod(job, i, network))
-            for i in range(desired)
-            if i not in by_index
-        ]
-        actions += [
-            DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
-            for p in sorted(pods, key=lambda p: -p.index)
-            if p.index >= desired and not p.deleting
-        ]
-
-    phase = _phase(completing, running, spec.effective_min, status.conditions)
-    conditions = status.conditions
-    if not _condition_true(conditions, ConditionType.CREATED):
-        conditions = set_condition(
-            conditions, ConditionType.CREATED, True, "Created", "pods and service created", now
+    actions = _run_actions(
+        job, pods, buckets, observed.service, completing, network, default_profile
+    )
+    stuck, stuck_due = _force_stuck(job, pods, now)
+    actions += stuck
+    accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
+    actions += removals
+    events += _action_events(job, actions)
+    conditions = _running_conditions(
+        status.conditions, phase, completing, running, desired, spec.effective_min, waiting, now
+    )
+    if phase is not status.phase and phase in (JobPhase.RUNNING, JobPhase.RESTARTING):
+        kind: Literal["Normal", "Warning"] = "Normal" if phase is JobPhase.RUNNING else "Warning"
+        events.append(
+            Event(kind, phase.value, f"{running} of {desired} pods running (was {status.phase})")
         )
-    conditions = set_condition(
-        conditions,
-        ConditionType.RUNNING,
-        phase is JobPhase.RUNNING,
-        "Completing"
-        if completing
-        else ("MinReplicasRunning" if phase is JobPhase.RUNNING else "WaitingForPods"),
-        f"{running} of {desired} pods running (minReplicas {spec.effective_min})",
-        now,
-    )
-    conditions = set_condition(
-        conditions,
-        ConditionType.RESTARTING,
-        phase is JobPhase.RESTARTING,
-        "ReplacingPods" if phase is JobPhase.RESTARTING else "NotRestarting",
-        "",
-        now,
-    )
     status = status.model_copy(
         update={
             "phase": phase,
@@ -490,9 +724,11 @@ def reconcile(
             "replicas": len(live),
             "ready_replicas": sum(p.ready for p in live),
             "world_size": _world_size(job, live),
+            "accounted_pods": accounted,
         }
     )
-    return Decision(tuple(actions), status, tuple(events), _requeue(job, status, now))
+    requeue = _sooner(_requeue(job, status, now), stuck_due)
+    return Decision(tuple(actions), status, tuple(events), requeue)
 
 
 def _requeue(job: api.DDPJob, status: DDPJobStatus, now: dt.datetime) -> float | None:

@@ -145,21 +145,34 @@ def test_schema_rejects_a_container_without_image() -> None:
 # ---- CEL rules, evaluated with cel-python (no API server here) ---------------------------------
 
 
-def cel_violations(node_schema: dict[str, Any], value: Any) -> list[str]:
-    """Evaluate every x-kubernetes-validations rule in the schema against the document."""
+_MISSING = object()
+
+
+def cel_violations(node_schema: dict[str, Any], value: Any, old: Any = _MISSING) -> list[str]:
+    """Evaluate every x-kubernetes-validations rule in the schema against the document.
+
+    As the API server does, transition rules (those that use ``oldSelf``) run only on an update
+    (``old`` given) and only where the old object has the same node.
+    """
     import celpy  # noqa: PLC0415 - test-only dependency
     from celpy.adapter import json_to_cel  # noqa: PLC0415
 
     found: list[str] = []
     env = celpy.Environment()
     for rule in node_schema.get("x-kubernetes-validations", []):
+        activation = {"self": json_to_cel(value)}
+        if "oldSelf" in rule["rule"]:
+            if old is _MISSING:
+                continue
+            activation["oldSelf"] = json_to_cel(old)
         program = env.program(env.compile(rule["rule"]))
-        if not program.evaluate({"self": json_to_cel(value)}):
+        if not program.evaluate(activation):
             found.append(rule["message"])
     if isinstance(value, dict):
         for name, child in node_schema.get("properties", {}).items():
             if name in value:
-                found += cel_violations(child, value[name])
+                old_child = old.get(name, _MISSING) if isinstance(old, dict) else _MISSING
+                found += cel_violations(child, value[name], old_child)
     if isinstance(value, list) and isinstance(node_schema.get("items"), dict):
         for item in value:
             found += cel_violations(node_schema["items"], item)
@@ -196,3 +209,48 @@ def test_cel_rules_agree_with_the_models(
     rules_pass = cel_violations(schema(), document) == []
     schema_pass = jsonschema.Draft4Validator(schema()).is_valid(document)
     assert accepted == (rules_pass and schema_pass)
+
+
+# ---- fields baked into pods are immutable while the job runs -----------------------------------
+
+
+def _update(old_spec: dict[str, Any], **changes: Any) -> list[str]:
+    old = manifest(**old_spec)
+    new = manifest(**{**old_spec, **changes})
+    return cel_violations(schema(), new, old)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("minReplicas", 2),
+        ("maxReplicas", 5),
+        ("nprocPerNode", 2),
+        ("rendezvous", {"port": 29500}),
+        ("maxRestarts", 9),
+        ("template", {"spec": {"containers": [{"name": "trainer", "image": "other:2"}]}}),
+    ],
+)
+def test_fields_baked_into_pods_cannot_change_while_running(field: str, value: Any) -> None:
+    assert _update({}, **{field: value}) == [
+        f"spec.{field} cannot change while the job runs (its pods are built from it): "
+        "set spec.suspend: true first, change it, then resume; or delete and re-create the job"
+    ]
+    # While suspended, or in the update that suspends, or the one that resumes: allowed.
+    assert _update({"suspend": True}, **{field: value}) == []
+    assert _update({}, suspend=True, **{field: value}) == []
+    assert _update({"suspend": True}, suspend=False, **{field: value}) == []
+
+
+def test_replicas_stays_mutable_within_the_bounds() -> None:
+    assert _update({}, replicas=4) == []
+    assert _update({}, replicas=5) == ["replicas must lie within minReplicas..maxReplicas"]
+
+
+def test_adding_an_optional_field_counts_as_a_change() -> None:
+    old = manifest()
+    del old["spec"]["maxReplicas"]
+    old["spec"]["replicas"] = 1
+    old["spec"]["minReplicas"] = 1
+    new = manifest(replicas=1, minReplicas=1, maxReplicas=3)
+    assert len(cel_violations(schema(), new, old)) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import itertools
 from typing import Any
@@ -19,6 +20,7 @@ from ddpjob_operator.reconcile import (
     DeleteJob,
     DeletePod,
     Observed,
+    RemoveFinalizer,
     reconcile,
 )
 
@@ -58,9 +60,16 @@ def kinds(decision: Decision) -> list[tuple[str, int | None, str | None]]:
             out.append(("delete", action.index, action.why.value))
         elif isinstance(action, CreateService):
             out.append(("service", None, None))
+        elif isinstance(action, RemoveFinalizer):
+            continue  # bookkeeping: see released()
         else:
             out.append(("delete-job", None, None))
     return out
+
+
+def released(decision: Decision) -> list[int]:
+    """The indices whose tracking finalizer the decision removes."""
+    return [a.index for a in decision.actions if isinstance(a, RemoveFinalizer)]
 
 
 def running_status(**kw: Any) -> api.DDPJobStatus:
@@ -111,10 +120,18 @@ def test_failed_pod_is_counted_deleted_then_recreated() -> None:
         broken.uid,
     )
     assert first.events[0].reason == "PodFailed"
-    # The delete is in flight: the same pod, now deleting, is not counted again.
+    assert released(first) == [1]  # counted: its tracking finalizer goes
+    assert first.status.accounted_pods == [broken.uid]
+    # The delete is in flight: the same pod, now deleting, is not counted again, even if the
+    # finalizer removal did not land yet.
     job = job.model_copy(update={"status": first.status})
     gone = run(job, pod(0), failed(1, exit_code=137, uid=broken.uid, deleting=True))
-    assert gone.actions == () and gone.status.restarts == 1
+    assert kinds(gone) == [] and released(gone) == [1] and gone.status.restarts == 1
+    untracked = run(
+        job, pod(0), failed(1, exit_code=137, uid=broken.uid, deleting=True, tracked=False)
+    )
+    assert untracked.actions == () and untracked.status.restarts == 1
+    assert untracked.status.accounted_pods == []
     # Once it is gone, it is recreated under the same name.
     again = run(job.model_copy(update={"status": gone.status}), pod(0))
     assert kinds(again) == [("create", 1, None)]
@@ -146,7 +163,7 @@ def test_pod_deleted_by_someone_else_counts_as_deleted() -> None:
     decision = run(make_job(status=running_status()), pod(0), pod(1, deleting=True))
     [failure] = decision.status.failures
     assert (failure.reason, failure.charged) == ("Deleted", False)
-    assert decision.actions == ()
+    assert kinds(decision) == [] and released(decision) == [1]
 
 
 def test_backoff_limit_fails_the_job_and_cleans_up_running_pods() -> None:
@@ -193,12 +210,15 @@ def test_success_needs_every_live_pod_to_finish() -> None:
     job = make_job(status=running_status())
     one_done = run(job, pod(0, PodPhase.SUCCEEDED, exit_code=0), pod(1))
     assert one_done.status.phase is api.JobPhase.RUNNING
-    assert one_done.actions == ()  # nothing is created or replaced while completing
+    assert kinds(one_done) == []  # nothing is created or replaced while completing
+    assert one_done.status.succeeded == 1
     all_done = run(
         job, pod(0, PodPhase.SUCCEEDED, exit_code=0), pod(1, PodPhase.SUCCEEDED, exit_code=0)
     )
     assert all_done.status.phase is api.JobPhase.SUCCEEDED
-    assert all_done.actions == ()  # cleanPodPolicy Running keeps finished pods for their logs
+    assert kinds(all_done) == []  # cleanPodPolicy Running keeps finished pods for their logs
+    assert released(all_done) == [0, 1]
+    assert all_done.status.succeeded == 2
 
 
 @pytest.mark.parametrize(("policy", "deleted"), [("Running", [1]), ("All", [1, 0]), ("None", [])])
@@ -232,12 +252,17 @@ def test_scale_up_and_down_highest_index_first() -> None:
 
 
 def test_scaled_down_pod_ending_on_sigterm_is_not_a_failure() -> None:
-    decision = run(
-        make_job(status=running_status(), replicas=1),
+    victim = pod(1)
+    job = make_job(status=running_status(), replicas=1)
+    down = run(job, pod(0), victim)
+    assert kinds(down) == [("delete", 1, "ScaleDown")]
+    assert down.status.accounted_pods == [victim.uid]  # marked before the delete runs
+    later = run(
+        job.model_copy(update={"status": down.status}),
         pod(0),
-        failed(1, exit_code=143, deleting=True),
+        failed(1, exit_code=143, deleting=True, uid=victim.uid),
     )
-    assert decision.status.restarts == 0 and decision.status.failures == []
+    assert later.status.restarts == 0 and later.status.failures == []
 
 
 def test_suspend_deletes_everything_and_resume_recreates() -> None:
@@ -326,8 +351,10 @@ def apply(decision: Decision, observed: Observed) -> Observed:
             pods[action.name] = pod(action.index, PodPhase.PENDING)
         elif isinstance(action, DeletePod):
             old = pods[action.name]
-            assert not old.deleting, f"{action.name} deleted twice"
-            pods[action.name] = ObservedPod(**{**old.__dict__, "deleting": True})
+            assert not old.deleting or action.force, f"{action.name} deleted twice"
+            pods[action.name] = dataclasses.replace(old, deleting=True)
+        elif isinstance(action, RemoveFinalizer):
+            pods[action.name] = dataclasses.replace(pods[action.name], tracked=False)
     return Observed(tuple(pods.values()), service)
 
 
@@ -390,12 +417,7 @@ def test_a_failed_pod_is_never_dropped_from_the_restart_count(
 ) -> None:
     job, pods = world
     decision = run(job, *pods)
-    if job.spec.suspend:
-        return
-    desired = min(max(job.spec.replicas, job.spec.effective_min), job.spec.effective_max)
-    must_count = [
-        p for p in pods if p.phase is PodPhase.FAILED and not (p.deleting and p.index >= desired)
-    ]
+    must_count = [p for p in pods if p.phase is PodPhase.FAILED]
     assert decision.status.restarts >= len(must_count)
     counted = {f.uid for f in decision.status.failures}
     assert all(p.uid in counted for p in must_count)
