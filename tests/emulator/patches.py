@@ -195,9 +195,7 @@ def _merge_keyed_list(field: str, key: str, original: list[Any], patch: list[Any
     if any(isinstance(p, dict) and p.get("$patch") == "replace" for p in patch):
         return [copy.deepcopy(p) for p in patch if not (isinstance(p, dict) and "$patch" in p)]
     result = [copy.deepcopy(o) for o in original]
-    positions = {
-        o.get(key): i for i, o in enumerate(result) if isinstance(o, dict) and key in o
-    }
+    positions = {o.get(key): i for i, o in enumerate(result) if isinstance(o, dict) and key in o}
     for item in patch:
         if not isinstance(item, dict) or key not in item:
             raise PatchError(f"{field}: every element needs the merge key {key!r}")
@@ -242,7 +240,9 @@ def _smp(original: Any, patch: Any) -> Any:
             continue
         current = result.get(key)
         if isinstance(value, list) and isinstance(current, list):
-            merge_key = MERGE_KEYS.get(key) or (_ports_key(current + value) if key == "ports" else None)
+            merge_key = MERGE_KEYS.get(key) or (
+                _ports_key(current + value) if key == "ports" else None
+            )
             if merge_key is not None:
                 result[key] = _merge_keyed_list(key, merge_key, current, value)
             elif key in SET_LISTS:

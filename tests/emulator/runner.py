@@ -13,6 +13,7 @@ Every mode listens on 127.0.0.1 on free ports: one for the Kubernetes API, one f
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -333,7 +334,9 @@ class EmulatorControl:
         self._call("set_kubelet_alive", alive=alive)
 
     def schedule_pod(self, namespace: str, name: str, node_name: str = "emulated-node") -> Obj:
-        result: Obj = self._call("schedule_pod", namespace=namespace, name=name, node_name=node_name)
+        result: Obj = self._call(
+            "schedule_pod", namespace=namespace, name=name, node_name=node_name
+        )
         return result
 
     def set_pod_phase(
@@ -372,7 +375,9 @@ class EmulatorControl:
         self._call("set_pod_log", namespace=namespace, name=name, text=text)
 
     def get_object(self, resource: str, namespace: str | None, name: str) -> Obj | None:
-        result: Obj | None = self._call("get_object", resource=resource, namespace=namespace, name=name)
+        result: Obj | None = self._call(
+            "get_object", resource=resource, namespace=namespace, name=name
+        )
         return result
 
     def list_objects(self, resource: str, namespace: str | None = None) -> list[Obj]:
@@ -391,7 +396,10 @@ def kubeconfig_dict(url: str, namespace: str = "default") -> Obj:
         "clusters": [{"name": "emulator", "cluster": {"server": url}}],
         "users": [{"name": "emulator", "user": {"token": "emulator-token"}}],
         "contexts": [
-            {"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}
+            {
+                "name": "emulator",
+                "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace},
+            }
         ],
         "current-context": "emulator",
     }
@@ -420,7 +428,7 @@ async def start_servers(
     for app, want in ((ApiApp(emu).make_app(), port), (make_control_app(emu), control_port)):
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, HOST, want, shutdown_timeout=1.0)
+        site = web.TCPSite(runner, HOST, want)
         await site.start()
         server = site._server
         assert server is not None
@@ -509,7 +517,13 @@ class EmulatorProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.emulator", "--options", json.dumps(dataclasses.asdict(self.options))],
+            [
+                sys.executable,
+                "-m",
+                "tests.emulator",
+                "--options",
+                json.dumps(dataclasses.asdict(self.options)),
+            ],
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -522,7 +536,9 @@ class EmulatorProcess:
             self.stop()
             raise RuntimeError("the emulator process did not start (see its stderr)")
         info = json.loads(line)
-        self.handle = EmulatorHandle(info["url"], info["control_url"], EmulatorControl(info["control_url"]))
+        self.handle = EmulatorHandle(
+            info["url"], info["control_url"], EmulatorControl(info["control_url"])
+        )
         return self.handle
 
     def stop(self) -> None:
@@ -548,7 +564,10 @@ class EmulatorProcess:
         return await asyncio.to_thread(self.start)
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await asyncio.to_thread(self.stop)
 
@@ -567,13 +586,13 @@ async def serve_forever(options: EmulatorOptions) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m tests.emulator", description=__doc__)
     parser.add_argument("--options", default="{}", help="EmulatorOptions as JSON")
     for f in dataclasses.fields(EmulatorOptions):
         if f.type in ("bool", bool):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action=argparse.BooleanOptionalAction)
+            parser.add_argument(
+                f"--{f.name.replace('_', '-')}", dest=f.name, action=argparse.BooleanOptionalAction
+            )
     args = parser.parse_args(argv)
     opts: dict[str, Any] = json.loads(args.options)
     for f in dataclasses.fields(EmulatorOptions):

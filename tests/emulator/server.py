@@ -21,6 +21,7 @@ short names, verbs and subresources are those of a real server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.emulator import patches
 from tests.emulator.selectors import SelectorError, parse_field_selector, parse_label_selector
 from tests.emulator.store import (
     ApiError,
@@ -37,12 +39,18 @@ from tests.emulator.store import (
     Obj,
     ResourceDef,
     Watcher,
+    _copy,
+    get_path,
+    set_path,
     status_body,
 )
 
-_ENTRY_KEY = web.AppKey("log_entry_factory", Callable[..., LogEntry])
+_LOG_KEY = web.RequestKey("log_entry", LogEntry)
 _EMULATOR_KEY = web.AppKey("emulator", Emulator)
 _WATCH_TRUE = ("true", "1")
+_API_VERBS = frozenset(
+    {"list", "watch", "create", "deletecollection", "get", "update", "patch", "delete"}
+)
 
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -57,7 +65,9 @@ def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None
 class _Route:
     __slots__ = ("defn", "name", "namespace", "subresource")
 
-    def __init__(self, defn: ResourceDef, namespace: str | None, name: str | None, sub: str | None) -> None:
+    def __init__(
+        self, defn: ResourceDef, namespace: str | None, name: str | None, sub: str | None
+    ) -> None:
         self.defn = defn
         self.namespace = namespace
         self.name = name
@@ -84,8 +94,10 @@ class ApiApp:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         started = time.monotonic()
-        entry = self.emu.new_log_entry(time.time(), request.method, request.path, dict(request.query))
-        request["log_entry"] = entry
+        entry = self.emu.new_log_entry(
+            time.time(), request.method, request.path, dict(request.query)
+        )
+        request[_LOG_KEY] = entry
         try:
             self._route_into(entry, request)
             fault = self.emu.take_fault(request.method, request.path)
@@ -97,7 +109,9 @@ class ApiApp:
                     fault.status,
                     _REASONS.get(fault.status, "InternalError"),
                     fault.message,
-                    headers={"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else None,
+                    headers={"Retry-After": str(fault.retry_after)}
+                    if fault.retry_after is not None
+                    else None,
                 )
             response = await handler(request)
         except ApiError as e:
@@ -158,10 +172,13 @@ class ApiApp:
         defn, ns, name, sub = route.defn, route.namespace, route.name, route.subresource
         q = request.query
         method = request.method
-        verb = request["log_entry"].verb
-        if verb in ("list", "watch", "create", "deletecollection", "get", "update", "patch", "delete"):
-            if defn.verbs and verb not in defn.verbs and sub is None:
-                raise ApiError(405, "MethodNotAllowed", f"the server does not allow this method on {defn.plural}")
+        verb = request[_LOG_KEY].verb
+        if verb in _API_VERBS and defn.verbs and verb not in defn.verbs and sub is None:
+            raise ApiError(
+                405,
+                "MethodNotAllowed",
+                f"the server does not allow this method on {defn.plural}",
+            )
         if defn.namespaced is False:
             ns = None
         try:
@@ -175,7 +192,9 @@ class ApiApp:
                 return await self._watch(request, defn, ns, labels, fields)
             if method == "GET":
                 limit = int(q["limit"]) if q.get("limit") else None
-                return _json(self.emu.list(defn, ns, labels, fields, limit, q.get("continue")))
+                return _json(
+                    self.emu.list_collection(defn, ns, labels, fields, limit, q.get("continue"))
+                )
             if method == "POST":
                 body = await _body(request)
                 return _json(self.emu.create(defn, ns, body), 201)
@@ -188,9 +207,13 @@ class ApiApp:
             return await self._scale(request, defn, ns, name)
         if sub == "log":
             self.emu.get(defn, ns, name)
-            return web.Response(text=self.emu.pod_logs.get((ns or "", name), ""), content_type="text/plain")
+            return web.Response(
+                text=self.emu.pod_logs.get((ns or "", name), ""), content_type="text/plain"
+            )
         if sub not in (None, "status"):
-            raise ApiError(405, "MethodNotAllowed", f"the emulator does not serve {defn.plural}/{sub}")
+            raise ApiError(
+                405, "MethodNotAllowed", f"the emulator does not serve {defn.plural}/{sub}"
+            )
         if method == "GET":
             return _json(self.emu.get(defn, ns, name))
         if method == "PUT":
@@ -204,7 +227,9 @@ class ApiApp:
         raise ApiError(405, "MethodNotAllowed", f"{method} is not allowed here")
 
     # ------------------------------------------------------------------ scale
-    async def _scale(self, request: web.Request, defn: ResourceDef, ns: str | None, name: str) -> web.Response:
+    async def _scale(
+        self, request: web.Request, defn: ResourceDef, ns: str | None, name: str
+    ) -> web.Response:
         obj = self.emu.get(defn, ns, name)
         if request.method == "GET":
             return _json(self._scale_of(defn, obj))
@@ -216,8 +241,6 @@ class ApiApp:
             new_scale = body
         else:
             ctype = request.headers.get("Content-Type", "").split(";")[0].strip()
-            from tests.emulator import patches
-
             try:
                 if ctype == "application/json-patch+json":
                     new_scale = patches.apply_json_patch(scale, body)
@@ -232,18 +255,16 @@ class ApiApp:
         replicas = (new_scale.get("spec") or {}).get("replicas")
         if not isinstance(replicas, int) or replicas < 0:
             raise ApiError(422, "Invalid", f"Scale.spec.replicas: Invalid value: {replicas!r}")
-        from tests.emulator.store import _copy, set_path
-
         new = _copy(obj)
-        new["metadata"]["resourceVersion"] = (new_scale.get("metadata") or {}).get("resourceVersion")
+        new["metadata"]["resourceVersion"] = (new_scale.get("metadata") or {}).get(
+            "resourceVersion"
+        )
         set_path(new, defn.scale_spec_path, replicas)
         updated = self.emu._commit(defn, obj, new, None)
         return _json(self._scale_of(defn, updated))
 
     @staticmethod
     def _scale_of(defn: ResourceDef, obj: Obj) -> Obj:
-        from tests.emulator.store import get_path
-
         meta = obj["metadata"]
         status: Obj = {"replicas": get_path(obj, defn.scale_status_path) or 0}
         if defn.scale_selector_path:
@@ -293,16 +314,16 @@ class ApiApp:
                     410, "Expired", f"too old resource version: {since} ({store.compacted_rv})"
                 )
             else:
-                for event in store.events_after(since):
-                    seen = watcher.translate(event)
-                    if seen is not None:
-                        initial.append(seen)
+                for past in store.events_after(since):
+                    replayed = watcher.translate(past)
+                    if replayed is not None:
+                        initial.append(replayed)
         if gone is None:
             store.watchers.add(watcher)  # in the same step as the replay: no event is missed
 
         response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
-        entry: LogEntry = request["log_entry"]
+        entry: LogEntry = request[_LOG_KEY]
         entry.status = 200
         loop = asyncio.get_running_loop()
         try:
@@ -350,10 +371,8 @@ class ApiApp:
             raise
         finally:
             store.watchers.discard(watcher)
-        try:
+        with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
-        except ConnectionResetError:
-            pass
         return response
 
     # ------------------------------------------------------------------ discovery
@@ -388,7 +407,9 @@ class ApiApp:
             return {
                 "kind": "APIVersions",
                 "versions": ["v1"],
-                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}],
+                "serverAddressByClientCIDRs": [
+                    {"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}
+                ],
             }
         if path == "/apis":
             groups: dict[str, list[str]] = {}
@@ -407,7 +428,11 @@ class ApiApp:
             versions = [d.version for d in defs if d.group == parts[1]]
             if not versions:
                 raise ApiError(404, "NotFound", "the server could not find the requested resource")
-            return {"kind": "APIGroup", "apiVersion": "v1", **_group_doc(parts[1], list(dict.fromkeys(versions)))}
+            return {
+                "kind": "APIGroup",
+                "apiVersion": "v1",
+                **_group_doc(parts[1], list(dict.fromkeys(versions))),
+            }
         if len(parts) == 3 and parts[0] == "apis":
             found = [d for d in defs if d.group == parts[1] and d.version == parts[2]]
             if not found:
@@ -489,6 +514,17 @@ def _resource_list(group_version: str, defs: list[ResourceDef]) -> Obj:
             kind = "Scale" if sub == "scale" else d.kind
             verbs = ["get", "patch", "update"] if sub in ("status", "scale") else ["get"]
             resources.append(
-                {"name": f"{d.plural}/{sub}", "singularName": "", "namespaced": d.namespaced, "kind": kind, "verbs": verbs}
+                {
+                    "name": f"{d.plural}/{sub}",
+                    "singularName": "",
+                    "namespaced": d.namespaced,
+                    "kind": kind,
+                    "verbs": verbs,
+                }
             )
-    return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}
+    return {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": group_version,
+        "resources": resources,
+    }

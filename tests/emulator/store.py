@@ -19,6 +19,9 @@ import asyncio
 import base64
 import collections
 import datetime
+import functools
+import gzip
+import importlib.resources
 import json
 import random
 import re
@@ -27,6 +30,8 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import kmock
 
 from tests.emulator.patches import (
     PatchConflictError,
@@ -444,7 +449,10 @@ class Emulator:
             ],
             "conditions": [
                 {"type": t, "status": "True", "reason": r, "lastTransitionTime": now, "message": ""}
-                for t, r in (("NamesAccepted", "NoConflicts"), ("Established", "InitialNamesAccepted"))
+                for t, r in (
+                    ("NamesAccepted", "NoConflicts"),
+                    ("Established", "InitialNamesAccepted"),
+                )
             ],
         }
 
@@ -480,7 +488,9 @@ class Emulator:
                 )
             return
         if not self.auto_namespaces:
-            raise ApiError(404, "NotFound", f'namespaces "{ns}" not found', {"name": ns, "kind": "namespaces"})
+            raise ApiError(
+                404, "NotFound", f'namespaces "{ns}" not found', {"name": ns, "kind": "namespaces"}
+            )
         self.create(nsdefn, None, {"metadata": {"name": ns}})
 
     def _index_owners(self, obj: Obj, old: Obj | None) -> None:
@@ -503,7 +513,7 @@ class Emulator:
     def get(self, defn: ResourceDef, ns: str | None, name: str) -> Obj:
         return self._get_or_404(defn, ns, name)
 
-    def list(
+    def list_collection(
         self,
         defn: ResourceDef,
         ns: str | None,
@@ -537,7 +547,12 @@ class Emulator:
             meta["continue"] = base64.urlsafe_b64encode(json.dumps(token).encode()).decode()
             meta["remainingItemCount"] = len(items) - limit
             items = items[:limit]
-        return {"kind": f"{defn.kind}List", "apiVersion": defn.api_version, "metadata": meta, "items": items}
+        return {
+            "kind": f"{defn.kind}List",
+            "apiVersion": defn.api_version,
+            "metadata": meta,
+            "items": items,
+        }
 
     # ------------------------------------------------------------------ create
     def create(self, defn: ResourceDef, ns: str | None, body: Any) -> Obj:
@@ -565,14 +580,20 @@ class Emulator:
         if not name:
             prefix = meta.get("generateName")
             if not prefix:
-                raise _invalid(defn, "", "metadata.name: Required value: name or generateName is required")
+                raise _invalid(
+                    defn, "", "metadata.name: Required value: name or generateName is required"
+                )
             for _ in range(100):
-                name = prefix + "".join(random.choices(_GENERATE_ALPHABET, k=5))  # noqa: S311
+                name = prefix + "".join(random.choices(_GENERATE_ALPHABET, k=5))
                 if store.get(meta.get("namespace", ""), name) is None:
                     break
             meta["name"] = name
         if not isinstance(name, str) or len(name) > 253 or not _NAME_RE.match(name):
-            raise _invalid(defn, str(name), f"metadata.name: Invalid value: {name!r}: must be a lowercase RFC 1123 subdomain")
+            raise _invalid(
+                defn,
+                str(name),
+                f"metadata.name: Invalid value: {name!r}: must be a lowercase RFC 1123 subdomain",
+            )
         if store.get(meta.get("namespace", ""), name) is not None:
             raise ApiError(
                 409,
@@ -606,11 +627,15 @@ class Emulator:
         if defn.plural == "customresourcedefinitions":
             self.register_crd_object(obj)
         if self.auto_kubelet and defn.plural == "pods" and defn.group == "":
-            self._call_soon(self.auto_kubelet_delay, lambda: self._auto_start(obj["metadata"]["uid"]))
+            self._call_soon(
+                self.auto_kubelet_delay, lambda: self._auto_start(obj["metadata"]["uid"])
+            )
         return obj
 
     # ------------------------------------------------------------------ update / patch
-    def update(self, defn: ResourceDef, ns: str | None, name: str, body: Any, subresource: str | None) -> Obj:
+    def update(
+        self, defn: ResourceDef, ns: str | None, name: str, body: Any, subresource: str | None
+    ) -> Obj:
         if not isinstance(body, dict):
             raise ApiError(400, "BadRequest", "the request body must be a JSON object")
         old = self._get_or_404(defn, ns, name)
@@ -648,7 +673,9 @@ class Emulator:
                 new = apply_strategic_merge_patch(old, patch)
             else:
                 raise ApiError(
-                    415, "UnsupportedMediaType", f"the body of the request was in an unknown format: {content_type}"
+                    415,
+                    "UnsupportedMediaType",
+                    f"the body of the request was in an unknown format: {content_type}",
                 )
         except PatchConflictError as e:
             raise ApiError(422, "Invalid", str(e)) from e
@@ -667,7 +694,11 @@ class Emulator:
             new_meta = new["metadata"] = {}
         wanted_rv = new_meta.get("resourceVersion")
         if wanted_rv not in (None, "") and str(wanted_rv) != old_meta["resourceVersion"]:
-            raise _conflict(defn, name, "the object has been modified; please apply your changes to the latest version and try again")
+            raise _conflict(
+                defn,
+                name,
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
         if subresource == "status":
             # Only .status changes; everything else (metadata too) is kept from storage.
             result = {k: v for k, v in old.items() if k != "status"}
@@ -689,7 +720,9 @@ class Emulator:
             new["apiVersion"] = old.get("apiVersion", defn.api_version)
             new["kind"] = old.get("kind", defn.kind)
             if old_meta.get("deletionTimestamp"):
-                added = set(new_meta.get("finalizers") or []) - set(old_meta.get("finalizers") or [])
+                added = set(new_meta.get("finalizers") or []) - set(
+                    old_meta.get("finalizers") or []
+                )
                 if added:
                     raise _invalid(
                         defn,
@@ -755,7 +788,7 @@ class Emulator:
         for ref in meta.get("ownerReferences") or []:
             owner = self.by_uid.get(ref.get("uid", ""))
             if owner is not None:
-                self._call_soon(0, lambda u=ref["uid"]: self._finish_foreground(u))
+                self._call_soon(0, functools.partial(self._finish_foreground, ref["uid"]))
 
     # ------------------------------------------------------------------ delete
     def delete(self, defn: ResourceDef, ns: str | None, name: str, opts: DeleteOptions) -> Obj:
@@ -783,7 +816,10 @@ class Emulator:
             if grace is None:
                 tgps = spec.get("terminationGracePeriodSeconds")
                 grace = 30 if tgps is None else int(tgps)
-            if (not spec.get("nodeName") and not self.kubelet_alive) or phase in ("Succeeded", "Failed"):
+            if (not spec.get("nodeName") and not self.kubelet_alive) or phase in (
+                "Succeeded",
+                "Failed",
+            ):
                 grace = 0
         else:
             grace = 0
@@ -832,7 +868,7 @@ class Emulator:
         fields: list[FieldRequirement],
         opts: DeleteOptions,
     ) -> Obj:
-        listing = self.list(defn, ns, labels, fields)
+        listing = self.list_collection(defn, ns, labels, fields)
         items = []
         for obj in listing["items"]:
             meta = obj["metadata"]
@@ -858,7 +894,9 @@ class Emulator:
                 continue
             store, dep = live
             new = _copy(dep)
-            refs = [r for r in new["metadata"].get("ownerReferences") or [] if r.get("uid") != owner_uid]
+            refs = [
+                r for r in new["metadata"].get("ownerReferences") or [] if r.get("uid") != owner_uid
+            ]
             if refs:
                 new["metadata"]["ownerReferences"] = refs
             else:
@@ -883,7 +921,12 @@ class Emulator:
                 continue
             meta = dep["metadata"]
             try:
-                self.delete(store.defn, meta.get("namespace"), meta["name"], DeleteOptions(propagation_policy=policy))
+                self.delete(
+                    store.defn,
+                    meta.get("namespace"),
+                    meta["name"],
+                    DeleteOptions(propagation_policy=policy),
+                )
             except ApiError:
                 continue
 
@@ -907,7 +950,12 @@ class Emulator:
                 continue
             for obj in list(store.iter_objects(ns)):
                 try:
-                    self.delete(store.defn, ns, obj["metadata"]["name"], DeleteOptions(grace_period_seconds=0))
+                    self.delete(
+                        store.defn,
+                        ns,
+                        obj["metadata"]["name"],
+                        DeleteOptions(grace_period_seconds=0),
+                    )
                 except ApiError:
                     continue
 
@@ -989,11 +1037,15 @@ class Emulator:
             status["message"] = message
         if phase != "Pending":
             status.setdefault("startTime", now)
-            status["podIP"] = pod_ip or status.get("podIP") or f"10.0.{random.randint(0, 255)}.{random.randint(1, 254)}"  # noqa: S311
+            status["podIP"] = (
+                pod_ip
+                or status.get("podIP")
+                or f"10.0.{random.randint(0, 255)}.{random.randint(1, 254)}"
+            )
             status["podIPs"] = [{"ip": status["podIP"]}]
             status.setdefault("hostIP", "10.1.0.1")
         if container_statuses is None:
-            container_statuses = []
+            container_statuses = list[Obj]()
             for c in (pod.get("spec") or {}).get("containers") or []:
                 cs: Obj = {
                     "name": c.get("name"),
@@ -1006,7 +1058,9 @@ class Emulator:
                 if phase == "Running":
                     cs["state"] = {"running": {"startedAt": now}}
                 elif phase in ("Succeeded", "Failed"):
-                    code = exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1)
+                    code = (
+                        exit_code if exit_code is not None else (0 if phase == "Succeeded" else 1)
+                    )
                     cs["state"] = {
                         "terminated": {
                             "exitCode": code,
@@ -1165,19 +1219,20 @@ class Emulator:
 
 def iter_bundled_resources() -> Iterable[ResourceDef]:
     """The built-in resources of kmock's bundled discovery (a k3s cluster's)."""
-    import kmock
-
     array = kmock.ResourcesArray()
-    array.load_bundled()
+    # The same as array.load_bundled(), without its deprecated importlib call.
+    bundled = importlib.resources.files("kmock._internal").joinpath("resources.json.gz")
+    array.load_data(gzip.decompress(bundled.read_bytes()))
     for res in array:
         info = array[res]
+        plural: str = res.plural or ""
         yield ResourceDef(
             group=res.group or "",
             version=res.version or "v1",
-            plural=res.plural,
-            kind=info.kind or res.plural.capitalize(),
+            plural=plural,
+            kind=info.kind or plural.capitalize(),
             namespaced=bool(info.namespaced),
-            singular=info.singular or (info.kind or res.plural).lower(),
+            singular=info.singular or (info.kind or plural).lower(),
             verbs=frozenset(info.verbs) or STANDARD_VERBS,
             shortnames=tuple(sorted(info.shortnames)),
             categories=tuple(sorted(info.categories)),
