@@ -1,0 +1,226 @@
+"""Exit codes, root-cause charging, torch's stop decision, restart count, settings, torch bounds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddpjob_worker import compat, contract
+from ddpjob_worker.policy import (
+    Action,
+    Budget,
+    FailureReport,
+    WorkerStatus,
+    decide,
+    exit_code_for_worker,
+    format_report,
+    is_root_cause,
+    parse_reports,
+    resolve_settings,
+    static_master,
+)
+
+# -- 11: exit codes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("worker", "agent"),
+    [(-signal.SIGKILL, 137), (-signal.SIGTERM, 143), (-signal.SIGSEGV, 139), (1, 1), (3, 3)],
+)
+def test_the_agent_exits_with_its_first_failed_workers_code(worker: int, agent: int) -> None:
+    assert exit_code_for_worker(worker) == agent
+
+
+def test_a_script_failure_is_permanent_and_a_signal_death_is_retryable() -> None:
+    assert not contract.is_retryable_exit(exit_code_for_worker(1))
+    assert contract.is_retryable_exit(exit_code_for_worker(-signal.SIGKILL))
+
+
+@given(st.integers(min_value=-64, max_value=300))
+def test_worker_exit_codes_map_into_0_255_and_never_0(code: int) -> None:
+    assert 1 <= exit_code_for_worker(code) <= 255
+
+
+def test_the_infrastructure_code_is_retryable_and_no_signal_code() -> None:
+    assert contract.is_retryable_exit(contract.EXIT_INFRA)
+    assert contract.EXIT_INFRA > 128 + signal.SIGRTMAX
+    assert contract.EXIT_INFRA != 255
+    assert not contract.is_retryable_exit(contract.EXIT_USAGE)
+
+
+# -- 12: root cause ----------------------------------------------------------------------------
+
+
+def test_the_earliest_report_is_the_root_cause() -> None:
+    reports = [FailureReport(10.5, 0), FailureReport(10.1, 1)]
+    assert is_root_cause(reports, 1)
+    assert not is_root_cause(reports, 0)
+
+
+def test_reports_round_trip_and_torn_items_are_skipped() -> None:
+    text = format_report(FailureReport(1.25, 3)) + format_report(FailureReport(2.5, 0)) + "9.0@"
+    assert parse_reports(text) == [FailureReport(1.25, 3), FailureReport(2.5, 0)]
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e9), st.integers(0, 20)), min_size=1, max_size=8))
+def test_exactly_one_reporting_node_is_the_root_cause(items: list[tuple[float, int]]) -> None:
+    reports = [FailureReport(at=a, node=n) for n, a in {n: a for a, n in items}.items()]
+    nodes = {r.node for r in reports}
+    assert sum(is_root_cause(reports, n) for n in nodes) == 1
+
+
+def test_a_collateral_failure_restarts_for_free_even_with_no_budget() -> None:
+    kwargs = {"remaining_restarts": 0, "nodes_waiting": 0, "store_lost": False}
+    assert decide(WorkerStatus.FAILED, collateral=True, **kwargs) is Action.RESTART_FREE
+    assert decide(WorkerStatus.FAILED, collateral=False, **kwargs) is Action.GIVE_UP
+
+
+# -- 13: torch's stop decision -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("store_lost", [False, True])
+@pytest.mark.parametrize("collateral", [False, True])
+def test_torchs_stop_decision_wins_over_the_budget(store_lost: bool, collateral: bool) -> None:
+    action = decide(
+        WorkerStatus.FAILED,
+        remaining_restarts=3,
+        nodes_waiting=1,
+        store_lost=store_lost,
+        collateral=collateral,
+        restarts_disabled=True,
+    )
+    assert action is Action.GIVE_UP
+
+
+# -- 15a: TORCHELASTIC_RESTART_COUNT -----------------------------------------------------------
+
+
+def test_restart_count_counts_refunded_and_free_restarts_after_failures() -> None:
+    budget = Budget(max_restarts=1).charge().refund().free_restart(after_failure=True)
+    assert budget.restart_count == 0
+    assert budget.remaining == 1
+    assert budget.torchrun_restart_count == 2
+    assert Budget(1).free_restart().torchrun_restart_count == 0  # scale-up: torchrun neither
+
+
+# -- 15b/d/e: settings -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "shutdown_flag", "grace"),
+    [
+        ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}, None, 7.0),
+        ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}, 9.0, 9.0),
+        ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7", "DDPJOB_GRACE_SECONDS": "2.5"}, 9.0, 2.5),
+        ({}, None, 25.0),
+    ],
+)
+def test_grace_period_sources(
+    env: dict[str, str], shutdown_flag: float | None, grace: float
+) -> None:
+    settings = resolve_settings({}, env, shutdown_timeout_flag=shutdown_flag)
+    assert settings.grace_seconds == grace
+
+
+def test_the_store_read_timeout_is_ours_only() -> None:
+    env = contract.agent_env(
+        contract.AgentContract(
+            job_name="j",
+            run_id="r",
+            pod_index=1,
+            endpoint_host="j-0",
+            port=29400,
+            min_nodes=1,
+            max_nodes=2,
+            nproc_per_node=1,
+            max_restarts=3,
+            join_timeout=600,
+            last_call_timeout=5,
+            close_timeout=5,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=3,
+            grace_seconds=25,
+        )
+    )
+    # Plain torchrun reads PET_RDZV_CONF, and uses read_timeout as its store *connect* timeout.
+    assert "read_timeout" not in contract.parse_rdzv_conf(env[contract.PET_RDZV_CONF])
+    settings = resolve_settings(contract.parse_rdzv_conf(env[contract.PET_RDZV_CONF]), env)
+    assert settings.store_read_timeout == contract.STORE_READ_TIMEOUT
+    assert settings.in_ddpjob_pod
+    # The user's own read_timeout wins.
+    assert resolve_settings({"read_timeout": "30"}, env).store_read_timeout is None
+    assert not resolve_settings({}, {}).in_ddpjob_pod
+
+
+def test_a_static_endpoint_needs_a_port() -> None:
+    assert static_master("10.0.0.1:29500") == ("10.0.0.1", 29500)
+    with pytest.raises(ValueError, match="static needs a port"):
+        static_master("10.0.0.1")
+
+
+# -- 16: torch bounds --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "tested"),
+    [("2.13.0+cpu", True), ("2.13.1", True), ("2.12.1", False), ("2.14.0.dev1", False)],
+)
+def test_tested_torch_range(version: str, tested: bool) -> None:
+    assert compat.is_tested(version) is tested
+    may_run, message = compat.check_torch(version, {})
+    assert may_run is tested
+    if not tested:
+        assert message is not None
+        assert version in message
+        assert compat.TESTED_TORCH in message
+        assert compat.ALLOW_UNTESTED_TORCH in message
+
+
+def test_an_untested_torch_may_run_when_allowed() -> None:
+    may_run, message = compat.check_torch("2.99.0", {compat.ALLOW_UNTESTED_TORCH: "1"})
+    assert may_run
+    assert message is not None
+    assert "Running anyway" in message
+
+
+def _agent(args: list[str], prelude: str = "", **env: str) -> subprocess.CompletedProcess[str]:
+    code = f"import sys\n{prelude}\nfrom ddpjob_worker.cli import main\nmain(sys.argv[1:])\n"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "DDPJOB_"))}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        timeout=120,
+        check=False,
+    )
+
+
+FAKE_TORCH = "import importlib.metadata as m\nm.version = lambda name: '2.12.0'"
+
+
+def test_the_agent_refuses_an_untested_torch_with_exit_2() -> None:
+    result = _agent(["--standalone", "train.py"], prelude=FAKE_TORCH)
+    assert result.returncode == contract.EXIT_USAGE, result.stderr
+    assert "torch 2.12.0 is installed" in result.stderr
+    assert "DDPJOB_ALLOW_UNTESTED_TORCH=1" in result.stderr
+
+
+def test_a_static_endpoint_without_a_port_is_a_usage_error() -> None:
+    result = _agent(
+        [
+            "--nnodes=2",
+            "--node-rank=0",
+            "--rdzv-backend=static",
+            "--rdzv-endpoint=127.0.0.1",
+            "x.py",
+        ]
+    )
+    assert result.returncode == contract.EXIT_USAGE, result.stderr
+    assert "static needs a port" in result.stderr
