@@ -152,6 +152,24 @@ class Run:
                 process.kill()
 
 
+def zombie_children(pid: int) -> list[int]:
+    """The <defunct> children of a process (reaped ones are gone)."""
+    found = []
+    for child in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.status() == psutil.STATUS_ZOMBIE:
+                found.append(child.pid)
+    return found
+
+
+def wchan(pid: int) -> str:
+    """The kernel function a process sleeps in ("" if unknown)."""
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return ""
+
+
 def leftovers(run_dir: Path) -> list[str]:
     """Processes, anywhere on the machine, that were started for this run."""
     found = []
@@ -207,6 +225,14 @@ def test_killed_pod_is_replaced_and_training_resumes(
     run.wait_for("step 45", lambda: run.max_step() >= 45)
     before = run.max_step()
     run.kill_pod(victim)
+    replacement_log = f"itest-worker-{victim}.1.log"
+    run.wait_for("the replacement", lambda: "resume" in run.logs().get(replacement_log, ""))
+    # The killed agent's workers were re-parented to the runner (a child subreaper): it must
+    # wait for them, no <defunct> entries stay behind while it runs.
+    # (While it runs: once it exits, init inherits and reaps them, which would prove nothing.)
+    run.wait_for(
+        "no zombies", lambda: run.process.poll() is None and not zombie_children(run.process.pid)
+    )
     assert_clean_finish(run, 0)
     out = run.output()
     assert "DDPJob itest Succeeded" in out
@@ -214,7 +240,7 @@ def test_killed_pod_is_replaced_and_training_resumes(
     # The survivor's workers failed only because their peer died: a membership change, so its
     # agent refunded the restart it charged.
     assert "worker restarts inside pods: 0" in out
-    replacement = run.logs()[f"itest-worker-{victim}.1.log"]
+    replacement = run.logs()[replacement_log]
     resumed = [int(m.group(1)) for m in RESUME.finditer(replacement)]
     assert resumed, replacement
     # At most one checkpoint interval is redone (plus the steps in flight when it died).
@@ -269,6 +295,44 @@ def test_second_ctrl_c_forces(tmp_path: Path, start: Callable[..., Run]) -> None
     run.process.send_signal(signal.SIGINT)
     run.process.send_signal(signal.SIGINT)
     assert_clean_finish(run, 130)
+
+
+def test_ctrl_c_while_a_pod_starts_stops_it_and_starts_no_more(
+    tmp_path: Path, start: Callable[..., Run]
+) -> None:
+    """Ctrl-C lands in the middle of carrying out the first tick's CreatePods.
+
+    Pod 0's log is a FIFO, so the runner blocks opening it, inside the CreatePod of pod 0, until
+    the test opens the other end, after the SIGINT. The pod started in that tick is SIGTERMed
+    too, and pod 1 never starts.
+    """
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    fifo = logs / "itest-worker-0.0.log"
+    os.mkfifo(fifo)
+    run = start(manifest(tmp_path, steps=10_000))
+    run.wait_for("pod 0's log open", lambda: wchan(run.process.pid) == "wait_for_partner")
+    run.process.send_signal(signal.SIGINT)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert_clean_finish(run, 130)
+    finally:
+        os.close(reader)
+    assert "interrupted" in run.output()
+    assert sorted(p.name for p in logs.glob("*.log")) == [fifo.name], "pod 1 was started"
+
+
+def test_failed_job_with_clean_pod_policy_none_ends(
+    tmp_path: Path, start: Callable[..., Run]
+) -> None:
+    """On a cluster, cleanPodPolicy None keeps the pods; a local run stops them and ends."""
+    path = manifest(tmp_path, steps=10_000, activeDeadlineSeconds=3, cleanPodPolicy="None")
+    run = start(path)
+    assert_clean_finish(run, 1)
+    out = run.output()
+    assert "DDPJob itest Failed" in out
+    assert "DeadlineExceeded" in out
+    assert "cleanPodPolicy None keeps" in out
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import os
 import re
 import shutil
 import signal
@@ -44,6 +45,22 @@ def become_subreaper() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap_orphans(keep: set[int]) -> None:
+    """Wait for our exited children except ``keep`` (live pods' roots, their ``Popen`` reaps).
+
+    As a subreaper the runner inherits the orphans of every dead agent; unwaited, each would stay
+    a <defunct> entry until the runner exits.
+    """
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return
+    for child in children:
+        if child.pid not in keep:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child.pid, os.WNOHANG)
 
 
 def _expand(text: str, env: Mapping[str, str]) -> str:
@@ -167,14 +184,18 @@ class LocalPod:
             world_size=state.world_size if state is not None and running else None,
         )
 
+    def _tree(self) -> list[psutil.Process]:
+        # Once reaped, the root's pid may belong to anyone (even another pod): not ours to walk.
+        return [] if self.process.returncode is not None else tree(self.process.pid)
+
     def remember_descendants(self) -> None:
         """Keep the tree's members, so they can be killed even after the root is gone."""
         known = {p.pid for p in self.descendants}
-        self.descendants += [p for p in tree(self.process.pid)[1:] if p.pid not in known]
+        self.descendants += [p for p in self._tree()[1:] if p.pid not in known]
 
     def all_processes(self) -> list[psutil.Process]:
         alive = []
-        for process in [*tree(self.process.pid), *self.descendants]:
+        for process in [*self._tree(), *self.descendants]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                     alive.append(process)
@@ -184,7 +205,7 @@ class LocalPod:
         """Graceful delete: SIGTERM the trainer (the agent forwards it), SIGKILL after grace."""
         if self.deleting_since is None:
             self.deleting_since = now
-            signal_all(tree(self.process.pid)[:1], signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)  # a no-op once reaped: never a reused pid
 
     def kill(self) -> None:
         """SIGKILL the whole tree at once (chaos, second Ctrl-C, grace expired)."""

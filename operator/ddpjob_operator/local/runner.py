@@ -11,6 +11,12 @@ reported and ignored. Chaos: ``--chaos SECONDS`` SIGKILLs a random pod's whole p
 (the master included) at about that interval, as a lost node would be, and the job recovers
 through the same reconcile logic.
 
+Stopping: a signal handler only counts SIGINT/SIGTERM; the loop acts on it. Once
+interrupted no pod starts (a CreatePod is skipped), every pod gets SIGTERM, including one
+started in the tick the signal landed in, and a second signal SIGKILLs everything. When the job
+is finished the run ends: pods that ``cleanPodPolicy`` would keep on a cluster are stopped too,
+since nothing of a local run may outlive it. Every child is waited for, orphans included.
+
 Exit codes: 0 the job succeeded, 1 it failed, 2 bad input, 130 interrupted (Ctrl-C).
 """
 
@@ -25,6 +31,7 @@ import random
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -41,6 +48,7 @@ from ddpjob_operator.local.pods import (
     become_subreaper,
     pod_argv,
     pod_env,
+    reap_orphans,
     signal_all,
     start_pod,
 )
@@ -150,9 +158,9 @@ class LocalRunner:
         for sub in ("logs", "state", "ckpt"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         become_subreaper()
-        self.view.start(self.job, self.run_dir)
         with self._signals():
             try:
+                self.view.start(self.job, self.run_dir)
                 return self._loop()
             finally:
                 self._kill_everything()
@@ -162,11 +170,7 @@ class LocalRunner:
         while True:
             now = time.monotonic()
             if self.interrupts:
-                if self._stopping(now):
-                    self.view.message("interrupted: every process of the job is stopped")
-                    return EXIT_INTERRUPTED
-                time.sleep(TICK_SECONDS)
-                continue
+                return self._interrupted()
             self._reload_manifest()
             decision = reconcile(self.job, self._observe(), dt.datetime.now(dt.UTC), self.network)
             self.job = self.job.model_copy(update={"status": decision.status})  # the one write
@@ -174,12 +178,16 @@ class LocalRunner:
                 self._execute(action, now)
             for event in decision.events:
                 self.view.event(event)
+            if self.interrupts:
+                continue  # stop the pods at once, this tick's new ones included
             self._chaos(now)
             self._reap(now)
             self._account_progress(now)
             self.view.update(self.job, self.pods, self.progress, now - self.started)
-            if self.job.status.phase.is_finished and not self.pods_alive():
-                return self._finish(now)
+            if self.job.status.phase.is_finished:
+                self._stop_kept_pods(now)
+                if not self.pods_alive():
+                    return self._finish(now)
             time.sleep(TICK_SECONDS)
 
     def _observe(self) -> Observed:
@@ -189,6 +197,9 @@ class LocalRunner:
 
     def _execute(self, action: Any, now: float) -> None:
         if isinstance(action, CreatePod):
+            if self.interrupts:
+                self.view.message(f"interrupted: not starting {action.name}")
+                return
             attempt = self.attempts.get(action.index, 0)
             self.attempts[action.index] = attempt + 1
             self.pods[action.name] = start_pod(
@@ -211,6 +222,11 @@ class LocalRunner:
             if pod.reap(now) and pod.deleting_since is not None:
                 pod.close()
                 del self.pods[name]
+        self._reap_orphans()
+
+    def _reap_orphans(self) -> None:
+        """Wait for every exited child that is not a live pod's root (those ``poll()`` reaps)."""
+        reap_orphans(keep={pod.process.pid for pod in self.pods.values()})
 
     def pods_alive(self) -> bool:
         return any(pod.all_processes() for pod in self.pods.values())
@@ -275,14 +291,9 @@ class LocalRunner:
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
         def interrupt(signum: int, _: FrameType | None) -> None:
+            # Only count: the loop acts on it. Acting here would race with a CreatePod being
+            # carried out (and printing from a handler can fail on a reentrant write).
             self.interrupts += 1
-            if self.interrupts == 1:
-                self.view.message("stopping: SIGTERM to every pod (Ctrl-C again to kill now)")
-                for pod in self.pods.values():
-                    pod.terminate(time.monotonic())
-            else:
-                for pod in self.pods.values():
-                    pod.kill()
 
         previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -291,21 +302,54 @@ class LocalRunner:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _interrupted(self) -> int:
+        """SIGTERM every pod and wait for them (their grace at most); a 2nd signal SIGKILLs."""
+        self.view.message("stopping: SIGTERM to every pod (Ctrl-C again to kill now)")
+        while True:
+            now = time.monotonic()
+            if self.interrupts > 1:
+                self.view.message("second interrupt: SIGKILL to every process of the job")
+                self._kill_everything()
+                break
+            for pod in self.pods.values():
+                pod.terminate(now)  # once per pod: a no-op for the ones already deleting
+            if self._stopping(now):
+                break
+            time.sleep(TICK_SECONDS)
+        self.view.message("interrupted: every process of the job is stopped")
+        return EXIT_INTERRUPTED
+
     def _stopping(self, now: float) -> bool:
         for pod in self.pods.values():
             pod.reap(now)
+        self._reap_orphans()
         return not self.pods_alive()
+
+    def _stop_kept_pods(self, now: float) -> None:
+        """The job is finished: stop the pods its cleanPodPolicy keeps (a cluster would)."""
+        kept = [p for p in self.pods.values() if p.exit_code is None and p.deleting_since is None]
+        if not kept:
+            return
+        names = ", ".join(sorted(p.name for p in kept))
+        self.view.message(
+            f"cleanPodPolicy {self.job.spec.clean_pod_policy.value} keeps {names} on a cluster; "
+            "a local run cannot outlive its runner: stopping them (SIGTERM)"
+        )
+        for pod in kept:
+            pod.terminate(now)
 
     def _kill_everything(self) -> None:
         for pod in self.pods.values():
             pod.kill()
-            with contextlib.suppress(OSError):
+        for pod in self.pods.values():
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 pod.process.wait(timeout=5)
             pod.close()
         with contextlib.suppress(psutil.Error):
             orphans = psutil.Process().children(recursive=True)
             signal_all(orphans, signal.SIGKILL)
             psutil.wait_procs(orphans, timeout=5)
+        self._reap_orphans()
 
     # ---- the end -------------------------------------------------------------------------------
 
