@@ -326,7 +326,7 @@ class LocalRunner:
         return not self.pods_alive()
 
     def _stop_kept_pods(self, now: float) -> None:
-        """The job is finished: stop the pods its cleanPodPolicy keeps (a cluster would)."""
+        """The job is finished: stop the pods its cleanPodPolicy keeps (a cluster would not)."""
         kept = [p for p in self.pods.values() if p.exit_code is None and p.deleting_since is None]
         if not kept:
             return
