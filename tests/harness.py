@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ddpjob_worker.contract import AgentContract, agent_env
@@ -228,7 +228,7 @@ class Cluster:
         train_args: list[str],
         *,
         stock: bool = False,
-        env: dict[str, str | None] | None = None,
+        env: Mapping[str, str | None] | None = None,
     ) -> Node:
         """Start node ``index`` (0 hosts the store) with ``ddpjob-agent`` or stock torchrun.
 

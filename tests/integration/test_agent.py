@@ -229,9 +229,7 @@ def test_outside_a_ddpjob_pod_giving_up_closes_the_rendezvous_as_torch(
 ) -> None:
     cluster = make_cluster(min_nodes=2, max_nodes=2, max_restarts=0)
     outside = {"DDPJOB_POD_INDEX": None}
-    nodes = [
-        cluster.start(i, [*train_args(5), "--crash-always"], env=outside) for i in range(2)
-    ]
+    nodes = [cluster.start(i, [*train_args(5), "--crash-always"], env=outside) for i in range(2)]
     for node in nodes:
         assert node.wait_exit(90) == 1, cluster.logs()
     assert "the rendezvous was closed by another agent" in cluster.logs()

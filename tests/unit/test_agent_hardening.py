@@ -76,9 +76,17 @@ def test_exactly_one_reporting_node_is_the_root_cause(items: list[tuple[float, i
 
 
 def test_a_collateral_failure_restarts_for_free_even_with_no_budget() -> None:
-    kwargs = {"remaining_restarts": 0, "nodes_waiting": 0, "store_lost": False}
-    assert decide(WorkerStatus.FAILED, collateral=True, **kwargs) is Action.RESTART_FREE
-    assert decide(WorkerStatus.FAILED, collateral=False, **kwargs) is Action.GIVE_UP
+    def action(collateral: bool) -> Action:
+        return decide(
+            WorkerStatus.FAILED,
+            remaining_restarts=0,
+            nodes_waiting=0,
+            store_lost=False,
+            collateral=collateral,
+        )
+
+    assert action(collateral=True) is Action.RESTART_FREE
+    assert action(collateral=False) is Action.GIVE_UP
 
 
 # -- 13: torch's stop decision -----------------------------------------------------------------
