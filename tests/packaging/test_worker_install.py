@@ -23,7 +23,7 @@ def test_worker_extra_installs_the_agent_without_the_operator(tmp_path: Path) ->
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    install = subprocess.run(
+    install = subprocess.run(  # noqa: PLW1510 - the return code is asserted with stderr
         [
             str(python),
             "-m",
@@ -50,7 +50,7 @@ def test_worker_extra_installs_the_agent_without_the_operator(tmp_path: Path) ->
     assert "ddpjob" in installed
     assert not installed & OPERATOR_SIDE, sorted(installed & OPERATOR_SIDE)
 
-    agent = subprocess.run(
+    agent = subprocess.run(  # noqa: PLW1510 - asserted below
         [str(env_dir / "bin" / "ddpjob-agent"), "--help"],
         capture_output=True,
         text=True,
@@ -60,7 +60,7 @@ def test_worker_extra_installs_the_agent_without_the_operator(tmp_path: Path) ->
     assert "--nproc-per-node" in agent.stdout and "--grace-seconds" in agent.stdout
 
     # The ddpjob command is there too, and says what to install instead of a traceback.
-    cli = subprocess.run(
+    cli = subprocess.run(  # noqa: PLW1510 - asserted below
         [str(env_dir / "bin" / "ddpjob"), "validate", "x.yaml"],
         capture_output=True,
         text=True,

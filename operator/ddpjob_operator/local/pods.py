@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import datetime as dt
 import os
 import re
 import shutil
@@ -143,6 +144,10 @@ class LocalPod:
     started_at: float
     log: IO[bytes]
     deleting_since: float | None = None
+    deletion_timestamp: dt.datetime | None = None
+    """As Kubernetes writes it: when the grace period of the deletion ends (wall clock)."""
+    tracked: bool = True
+    """The pod-tracking finalizer: the runner forgets a deleted pod only once it is removed."""
     disruption: str | None = None
     descendants: list[psutil.Process] = dataclasses.field(default_factory=list)
     agent_state: AgentState | None = None
@@ -177,6 +182,9 @@ class LocalPod:
             phase=phase,
             ready=running,
             deleting=self.deleting_since is not None,
+            deletion_timestamp=self.deletion_timestamp,
+            deletion_grace_seconds=self.grace_seconds if self.deleting_since is not None else None,
+            tracked=self.tracked,
             exit_code=code,
             disruption=self.disruption,
             message=f"logs: {self.log_path}" if code not in (None, 0) else "",
@@ -205,6 +213,9 @@ class LocalPod:
         """Graceful delete: SIGTERM the trainer (the agent forwards it), SIGKILL after grace."""
         if self.deleting_since is None:
             self.deleting_since = now
+            self.deletion_timestamp = dt.datetime.now(dt.UTC) + dt.timedelta(
+                seconds=self.grace_seconds
+            )
             self.process.send_signal(signal.SIGTERM)  # a no-op once reaped: never a reused pid
 
     def kill(self) -> None:

@@ -60,6 +60,7 @@ from ddpjob_operator.reconcile import (
     DeleteJob,
     DeletePod,
     Observed,
+    RemoveFinalizer,
     desired_replicas,
     reconcile,
 )
@@ -214,12 +215,20 @@ class LocalRunner:
             pod = self.pods.get(action.name)
             if pod is not None and pod.uid == action.uid:
                 pod.terminate(now)
+                if action.force:
+                    pod.kill()
+        elif isinstance(action, RemoveFinalizer):
+            pod = self.pods.get(action.name)
+            if pod is not None and pod.uid == action.uid:
+                pod.tracked = False
         elif isinstance(action, DeleteJob):
             pass  # a local job is gone when the run ends
 
     def _reap(self, now: float) -> None:
         for name, pod in list(self.pods.items()):
-            if pod.reap(now) and pod.deleting_since is not None:
+            # As the API server: a deleted pod goes once its processes are gone (the kubelet
+            # confirmed) and its tracking finalizer is removed.
+            if pod.reap(now) and pod.deleting_since is not None and not pod.tracked:
                 pod.close()
                 del self.pods[name]
         self._reap_orphans()
