@@ -306,6 +306,16 @@ class DDPJobSpec(_Model):
             )
         ),
     ] = None
+    network_policy: Annotated[
+        bool | None,
+        Field(
+            description=(
+                "Create a NetworkPolicy that lets only this job's pods reach the rendezvous store "
+                "and the collective ports; other traffic may reach only the ports the template "
+                "declares. Default: the operator's --network-policy setting."
+            )
+        ),
+    ] = None
     force_delete_after_seconds: Annotated[
         int,
         Field(

@@ -156,6 +156,43 @@ def build_service(job: api.DDPJob) -> JSON:
     }
 
 
+def network_policy_name(job_name: str) -> str:
+    return f"{job_name}-ddpjob"
+
+
+def build_network_policy(job: api.DDPJob) -> JSON:
+    """A NetworkPolicy for the job's pods: they accept anything from pods of the same job, and
+    from anywhere else only the ports the template declares, never the rendezvous port.
+
+    It protects the c10d TCPStore (no authentication: anyone who reaches it can join or break
+    the rendezvous) and the gloo/NCCL ports, which are picked at random.
+    """
+    rdzv_port = job.spec.rendezvous.port
+    declared: list[JSON] = []
+    for container in job.spec.template.spec.model_dump(by_alias=True)["containers"]:
+        for port in container.get("ports") or []:
+            number = port.get("containerPort")
+            if number is None or number == rdzv_port:
+                continue
+            entry = {"port": number, "protocol": port.get("protocol", "TCP")}
+            if entry not in declared:
+                declared.append(entry)
+    same_job = {"podSelector": {"matchLabels": {api.LABEL_JOB: job.name}}}
+    ingress: list[JSON] = [{"from": [same_job]}]
+    if declared:
+        ingress.append({"ports": declared})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, network_policy_name(job.name), None, {}),
+        "spec": {
+            "podSelector": {"matchLabels": {api.LABEL_JOB: job.name}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 def gpus_requested(container: Mapping[str, Any]) -> int:
     resources = container.get("resources") or {}
     for section in ("limits", "requests"):

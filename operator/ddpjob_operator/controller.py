@@ -1,0 +1,454 @@
+"""One loop per DDPJob: observe -> ``reconcile()`` -> write the status -> carry out the actions.
+
+The kopf handlers (:mod:`ddpjob_operator.handlers`) run :meth:`Controller.run_job` as a daemon
+per job and wake it on every event of the job, its pods and its Service. A pass:
+
+1. takes the job as kopf last saw it (or as our own last status write returned it, when kopf's
+   copy is still older), and the job's pods from a kopf index of small records, never whole pod
+   bodies;
+2. decides with the pure core;
+3. writes the whole status to the status subresource with a resourceVersion precondition,
+   *before* any action runs (a stale write gets a 409: read the job again, decide again);
+4. carries out the actions (independent ones concurrently), then emits the events;
+5. sleeps until the next event, or until ``requeue_after`` when a time-based rule is due.
+
+There is no polling: a job with nothing due makes no API request at all. Nothing here holds
+state that matters across a restart: counts and intents are in the job's status and in the pods'
+finalizers, so the operator can be killed at any point and resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from ddpjob_operator import api, builders
+from ddpjob_operator.errors import SpecError
+from ddpjob_operator.kube import ApiError, ConflictError, KubeApi
+from ddpjob_operator.metrics import Metrics
+from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
+from ddpjob_operator.reconcile import (
+    Action,
+    CreatePod,
+    CreateService,
+    Decision,
+    DeleteJob,
+    DeletePod,
+    Event,
+    Observed,
+    RemoveFinalizer,
+    reconcile,
+)
+
+JSON = dict[str, Any]
+Key = tuple[str, str]
+MAX_CONFLICT_RETRIES = 5
+ERROR_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
+CONCURRENCY = 16
+"""API calls in flight at once for one pass (pod creations of a large job go in parallel)."""
+STUCK_PASS_SECONDS = 120.0
+"""A pass running longer than this makes the liveness probe fail."""
+EXPECTATION_SECONDS = 15.0
+"""How long a write we made may take to show in kopf's indexes before we act again."""
+
+
+@dataclasses.dataclass
+class Expectations:
+    """Writes we made that the watch has not shown us yet (controller-runtime's expectations).
+
+    kopf's indexes lag our own writes by a watch round-trip, so a pass that runs in between
+    would create a pod again (409) or remove a finalizer again. A pod we created counts as
+    present (Pending) until the index shows it; a delete or finalizer removal is not repeated
+    for the same uid. Each expectation lapses after :data:`EXPECTATION_SECONDS`, so a write that
+    silently did not happen is retried.
+    """
+
+    created: dict[str, float] = dataclasses.field(default_factory=dict)
+    done: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+
+    def prune(self, now: float, seen: Iterable[ObservedPod]) -> None:
+        names = {p.name for p in seen}
+        self.created = {
+            n: t
+            for n, t in self.created.items()
+            if n not in names and now - t < EXPECTATION_SECONDS
+        }
+        self.done = {k: t for k, t in self.done.items() if now - t < EXPECTATION_SECONDS}
+
+    def pending_pods(self, index_of: Callable[[str], int]) -> tuple[ObservedPod, ...]:
+        return tuple(
+            ObservedPod(
+                name=name, index=index_of(name), uid=f"expected:{name}", phase=PodPhase.PENDING
+            )
+            for name in sorted(self.created)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorConfig:
+    """Operator-wide defaults for jobs, from ``ddpjob operator``'s flags."""
+
+    network_policy: bool = False
+    security_profile: api.SecurityProfile = api.SecurityProfile.BASELINE
+
+
+@dataclasses.dataclass(frozen=True)
+class PodRecord:
+    """What the operator keeps of a pod: the observation plus its finalizers (for a guarded
+    finalizer removal). Small, so that thousands of pods cost little memory."""
+
+    observed: ObservedPod
+    finalizers: tuple[str, ...]
+
+
+def pod_record(body: Mapping[str, Any]) -> PodRecord | None:
+    observed = observe_pod(body)
+    if observed is None:
+        return None
+    finalizers = tuple((body.get("metadata") or {}).get("finalizers") or ())
+    return PodRecord(observed, finalizers)
+
+
+class Emit(Protocol):
+    def __call__(self, kind: str, reason: str, message: str) -> None: ...
+
+
+@dataclasses.dataclass
+class _Written:
+    """Our last status write for a job: the resourceVersion it replaced, and the result."""
+
+    replaced: str
+    job: JSON
+
+
+class Controller:
+    """The operator's per-job loops, sharing one API client and one set of metrics."""
+
+    def __init__(self, kube: KubeApi, metrics: Metrics, config: OperatorConfig) -> None:
+        self.kube = kube
+        self.metrics = metrics
+        self.config = config
+        self._wakeups: dict[Key, asyncio.Event] = {}
+        self._written: dict[Key, _Written] = {}
+        self._phases: dict[Key, api.JobPhase] = {}
+        self._in_flight: dict[Key, float] = {}
+        self._policies: set[Key] = set()
+        self._expected: dict[Key, Expectations] = {}
+
+    # ---- wiring from the handlers ---------------------------------------------------------
+
+    def wake(self, key: Key) -> None:
+        event = self._wakeups.get(key)
+        if event is not None:
+            event.set()
+
+    def stuck_passes(self, now: float | None = None) -> list[str]:
+        """Jobs whose pass has run longer than :data:`STUCK_PASS_SECONDS` (for liveness)."""
+        now = time.monotonic() if now is None else now
+        return [
+            f"{ns}/{name}"
+            for (ns, name), started in self._in_flight.items()
+            if now - started > STUCK_PASS_SECONDS
+        ]
+
+    async def run_job(
+        self,
+        body: Mapping[str, Any],
+        stopped: Any,
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        pods: Callable[[], Iterable[PodRecord]],
+        service: Callable[[], bool],
+        emit: Emit,
+    ) -> None:
+        """The job's loop, until kopf stops it (the job is deleted, or the operator exits)."""
+        meta = body["metadata"]
+        key: Key = (meta["namespace"], meta["name"])
+        wake = self._wakeups.setdefault(key, asyncio.Event())
+        failures = 0
+        try:
+            while not stopped:
+                wake.clear()
+                try:
+                    delay = await self.run_pass(key, body, logger, pods, service, emit)
+                    failures = 0
+                except Exception as exc:
+                    delay = ERROR_BACKOFF[min(failures, len(ERROR_BACKOFF) - 1)]
+                    failures += 1
+                    logger.warning("reconcile failed (%s); retrying in %.0fs", exc, delay)
+                await _wait(wake, stopped, delay)
+        finally:
+            self._wakeups.pop(key, None)
+            self._written.pop(key, None)
+            self._phases.pop(key, None)
+            self._policies.discard(key)
+            self._expected.pop(key, None)
+            self.metrics.set_phases(self._phases)
+
+    async def run_pass(
+        self,
+        key: Key,
+        body: Mapping[str, Any],
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        pods: Callable[[], Iterable[PodRecord]],
+        service: Callable[[], bool],
+        emit: Emit,
+    ) -> float | None:
+        """One pass, with a fresh read and a new decision after each stale status write."""
+        self._in_flight[key] = time.monotonic()
+        started = time.perf_counter()
+        try:
+            raw = self._freshest(key, body)
+            for _ in range(MAX_CONFLICT_RETRIES):
+                try:
+                    return await self._decide_and_do(key, raw, logger, pods, service, emit)
+                except ConflictError:
+                    self.metrics.status_conflicts.inc()
+                    logger.debug("status write was stale: reading the job again")
+                    raw = await self.kube.get_job(*key)
+            raise ApiError(
+                409, "Conflict", f"status still stale after {MAX_CONFLICT_RETRIES} reads"
+            )
+        finally:
+            self._in_flight.pop(key, None)
+            self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+
+    def _freshest(self, key: Key, body: Mapping[str, Any]) -> JSON:
+        """kopf's copy, unless it is still the version our last status write replaced."""
+        current = _plain(body)
+        written = self._written.get(key)
+        version = current.get("metadata", {}).get("resourceVersion")
+        if written is not None and version == written.replaced:
+            return written.job
+        return current
+
+    async def _decide_and_do(
+        self,
+        key: Key,
+        raw: JSON,
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        pods: Callable[[], Iterable[PodRecord]],
+        service: Callable[[], bool],
+        emit: Emit,
+    ) -> float | None:
+        try:
+            job = api.parse_job(raw, source=f"DDPJob {key[0]}/{key[1]}")
+        except SpecError as exc:
+            await self._invalid(key, raw, exc, logger, emit)
+            return None
+        records = {r.observed.name: r for r in pods()}
+        expected = self._expected.setdefault(key, Expectations())
+        expected.prune(time.monotonic(), (r.observed for r in records.values()))
+        seen = tuple(r.observed for r in records.values())
+        observed = Observed(seen + expected.pending_pods(_index_of), service())
+        decision = reconcile(
+            job,
+            observed,
+            dt.datetime.now(dt.UTC).replace(microsecond=0),
+            default_profile=self.config.security_profile,
+        )
+        if decision.status != job.status:
+            await self._write_status(
+                key, raw, decision.status.model_dump(by_alias=True, mode="json")
+            )
+            self._account_metrics(job, decision)
+        self._phases[key] = decision.status.phase
+        self.metrics.set_phases(self._phases)
+        await self._ensure_network_policy(key, job)
+        await self._execute(key, job.metadata.uid or "", decision.actions, records, expected)
+        for event in decision.events:
+            emit(event.type, event.reason, event.message)
+        _log_decision(logger, decision)
+        return decision.requeue_after
+
+    async def _write_status(self, key: Key, raw: JSON, status: JSON) -> None:
+        version = str(raw.get("metadata", {}).get("resourceVersion", ""))
+        written = await self.kube.write_status(*key, version, status)
+        self._written[key] = _Written(replaced=version, job=written)
+
+    def _account_metrics(self, job: api.DDPJob, decision: Decision) -> None:
+        new = decision.status.restarts - job.status.restarts
+        if new > 0:
+            self.metrics.replaced(f.reason for f in decision.status.failures[-new:])
+
+    async def _invalid(
+        self,
+        key: Key,
+        raw: JSON,
+        error: SpecError,
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        emit: Emit,
+    ) -> None:
+        """A job that slipped past the CRD schema: a Failed condition naming the fields."""
+        message = "; ".join(str(p) for p in error.problems)
+        status = dict(raw.get("status") or {})
+        generation = raw.get("metadata", {}).get("generation")
+        failed = next(
+            (c for c in status.get("conditions") or [] if c.get("type") == "Failed"), None
+        )
+        if (
+            failed is not None
+            and failed.get("message") == message
+            and status.get("observedGeneration") == generation
+        ):
+            return
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        others = [c for c in status.get("conditions") or [] if c.get("type") != "Failed"]
+        status.update(
+            phase=api.JobPhase.FAILED.value,
+            observedGeneration=generation,
+            conditions=[
+                *others,
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "InvalidSpec",
+                    "message": message,
+                    "lastTransitionTime": now,
+                },
+            ],
+        )
+        await self._write_status(key, raw, status)
+        logger.error("invalid DDPJob: %s", message)
+        emit("Warning", "InvalidSpec", message)
+
+    async def _ensure_network_policy(self, key: Key, job: api.DDPJob) -> None:
+        wanted = job.spec.network_policy
+        if wanted is None:
+            wanted = self.config.network_policy
+        if not wanted or key in self._policies or job.status.phase.is_finished:
+            return
+        await self.kube.create_network_policy(job.namespace, builders.build_network_policy(job))
+        self._policies.add(key)
+
+    async def _execute(
+        self,
+        key: Key,
+        job_uid: str,
+        actions: Iterable[Action],
+        records: Mapping[str, PodRecord],
+        expected: Expectations,
+    ) -> None:
+        """Service first; then deletes and finalizer removals; then creations; then the job."""
+        namespace = key[0]
+        limit = asyncio.Semaphore(CONCURRENCY)
+
+        async def bounded(call: Any, remember: Callable[[], None]) -> None:
+            async with limit:
+                await call
+            remember()
+
+        now = time.monotonic()
+
+        def nothing() -> None:
+            pass
+
+        def done(kind: str, uid: str) -> Callable[[], None]:
+            return lambda: expected.done.__setitem__((kind, uid), now)
+
+        def created(name: str) -> Callable[[], None]:
+            return lambda: expected.created.__setitem__(name, now)
+
+        groups: list[list[tuple[Any, Callable[[], None]]]] = [[], [], [], []]
+        for action in actions:
+            if isinstance(action, CreateService):
+                groups[0].append((self.kube.create_service(namespace, action.service), nothing))
+            elif isinstance(action, DeletePod):
+                kind = "force" if action.force else "delete"
+                if (kind, action.uid) in expected.done:
+                    continue
+                call = self.kube.delete_pod(namespace, action.name, action.uid, force=action.force)
+                groups[1].append((call, done(kind, action.uid)))
+            elif isinstance(action, RemoveFinalizer):
+                if ("release", action.uid) in expected.done:
+                    continue
+                record = records.get(action.name)
+                finalizers = record.finalizers if record is not None else (api.POD_FINALIZER,)
+                call = self.kube.remove_finalizer(
+                    namespace, action.name, action.uid, finalizers, api.POD_FINALIZER
+                )
+                groups[1].append((call, done("release", action.uid)))
+            elif isinstance(action, CreatePod):
+                groups[2].append(
+                    (self.kube.create_pod(namespace, action.pod), created(action.name))
+                )
+            elif isinstance(action, DeleteJob):
+                groups[3].append((self.kube.delete_job(*key, uid=job_uid), nothing))
+        for group in groups:
+            if group:
+                await asyncio.gather(*(bounded(call, remember) for call, remember in group))
+
+    async def release_pods(self, namespace: str, job_name: str) -> int:
+        """Remove our finalizer from every pod of a job that is going away."""
+        released = 0
+        for pod in await self.kube.list_pods(namespace, api.job_selector(job_name)):
+            meta = pod.get("metadata") or {}
+            finalizers = list(meta.get("finalizers") or [])
+            if api.POD_FINALIZER in finalizers:
+                await self.kube.remove_finalizer(
+                    namespace, meta["name"], meta["uid"], finalizers, api.POD_FINALIZER
+                )
+                released += 1
+        return released
+
+
+def _index_of(pod_name: str) -> int:
+    return int(pod_name.rsplit("-", 1)[-1])
+
+
+def _plain(body: Mapping[str, Any]) -> JSON:
+    """A deep plain-dict copy of a kopf body (a live view that changes under us)."""
+    out: JSON = {}
+    for key, value in body.items():
+        out[key] = _plain(value) if isinstance(value, Mapping) else _copy(value)
+    return out
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plain(v) if isinstance(v, Mapping) else _copy(v) for v in value]
+    return value
+
+
+def _log_decision(
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger], decision: Decision
+) -> None:
+    if not decision.actions and not decision.events:
+        return
+    actions = ", ".join(_describe(a) for a in decision.actions)
+    logger.info(
+        "phase %s; actions: %s; events: %s",
+        decision.status.phase.value,
+        actions or "none",
+        ", ".join(e.reason for e in decision.events) or "none",
+    )
+
+
+def _describe(action: Action) -> str:
+    if isinstance(action, CreatePod):
+        return f"create {action.name}"
+    if isinstance(action, DeletePod):
+        return f"delete {action.name} ({action.why.value}{', force' if action.force else ''})"
+    if isinstance(action, RemoveFinalizer):
+        return f"release {action.name}"
+    if isinstance(action, CreateService):
+        return "create service"
+    return "delete job"
+
+
+async def _wait(wake: asyncio.Event, stopped: Any, timeout: float | None) -> None:
+    """Until an event wakes the job, kopf stops its daemon, or ``timeout`` seconds pass."""
+    waiters = {
+        asyncio.ensure_future(wake.wait()),
+        asyncio.ensure_future(stopped.wait(timeout)),
+    }
+    _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+
+
+__all__ = ["Controller", "Event", "OperatorConfig", "PodRecord", "pod_record"]

@@ -1,0 +1,176 @@
+"""The kopf handlers: thin wiring from Kubernetes events to :class:`~.controller.Controller`.
+
+* Pods and Services of DDPJobs are watched with a server-side label selector
+  (``ddpjob.io/job-name``) and kept in kopf indexes of small records, never whole bodies.
+* Every event of a job, its pods or its Service wakes that job's daemon; the daemon runs the
+  reconcile loop (:meth:`Controller.run_job`). No polling.
+* kopf's own bookkeeping uses our names: the ``ddpjob.io/operator`` finalizer (held while the
+  job's daemon runs, so a deleted job's pods are released first), and ``ddpjob.io`` for any
+  progress or diff-base annotation.
+* Watch streams have client and server timeouts, so a stream that goes silent is re-opened
+  (kopf #810).
+* The liveness probe fails when a reconcile pass has been running for too long.
+
+The :class:`Controller` comes in through kopf's ``memo`` (set up by ``ddpjob operator``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from ddpjob_operator import api
+from ddpjob_operator.controller import Controller, PodRecord, pod_record
+
+OPERATOR_FINALIZER = "ddpjob.io/operator"
+ANNOTATION_PREFIX = "ddpjob.io"
+WATCH_SERVER_TIMEOUT = 300
+WATCH_CLIENT_TIMEOUT = 360
+WATCH_CONNECT_TIMEOUT = 30
+JOBS = (api.GROUP, api.VERSION, api.PLURAL)
+OURS = {api.LABEL_JOB: kopf.PRESENT}
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Our names and our timeouts, on kopf's settings."""
+    settings.persistence.finalizer = OPERATOR_FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
+    settings.watching.connect_timeout = WATCH_CONNECT_TIMEOUT
+    settings.watching.label_selectors["v1", "pods"] = api.LABEL_JOB
+    settings.watching.label_selectors["v1", "services"] = api.LABEL_JOB
+    settings.posting.reporting_component = "ddpjob-operator"
+    settings.posting.level = logging.WARNING  # kopf's own log lines as Events: warnings only
+    settings.networking.error_backoffs = (1, 1, 2, 3, 5, 8, 13, 21, 34, 55)
+    # Serve exactly the namespaces given, with the resources found at start-up (the CRD is
+    # checked before kopf starts): no RBAC to list namespaces or CRDs is needed.
+    settings.scanning.disabled = True
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    configure(settings)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: Any, **_: Any) -> None:
+    controller: Controller = memo.controller
+    await controller.kube.close()
+
+
+def _key(namespace: str | None, name: str) -> tuple[str, str]:
+    return (namespace or "default", name)
+
+
+@kopf.index("pods", labels=OURS)
+def ddpjob_pods(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], PodRecord]:
+    record = pod_record(body)
+    return {} if record is None else {_key(namespace, labels[api.LABEL_JOB]): record}
+
+
+@kopf.index("services", labels=OURS)
+def ddpjob_services(
+    namespace: str | None, name: str, labels: Mapping[str, str], **_: Any
+) -> dict[tuple[str, str], str]:
+    return {_key(namespace, labels[api.LABEL_JOB]): name}
+
+
+@kopf.index(*JOBS)
+def ddpjobs(namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], bool]:
+    return {_key(namespace, name): True}
+
+
+@kopf.on.event("pods", labels=OURS)
+async def pod_changed(
+    namespace: str | None,
+    labels: Mapping[str, str],
+    body: kopf.Body,
+    memo: Any,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    controller: Controller = memo.controller
+    key = _key(namespace, labels[api.LABEL_JOB])
+    controller.wake(key)
+    meta = body.get("metadata") or {}
+    jobs: kopf.Index[tuple[str, str], bool] = kwargs["ddpjobs"]
+    if (
+        key not in jobs
+        and meta.get("deletionTimestamp")
+        and api.POD_FINALIZER in (meta.get("finalizers") or [])
+    ):
+        # The job is gone (deleted while this operator was down): nobody else will release it.
+        await controller.kube.remove_finalizer(
+            key[0], meta["name"], meta["uid"], meta.get("finalizers") or [], api.POD_FINALIZER
+        )
+        logger.info("released pod %s of a job that no longer exists", meta["name"])
+
+
+@kopf.on.event("services", labels=OURS)
+def service_changed(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
+    memo.controller.wake(_key(namespace, labels[api.LABEL_JOB]))
+
+
+@kopf.on.event(*JOBS)
+def job_changed(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    memo.controller.wake(_key(namespace, name))
+
+
+@kopf.daemon(*JOBS, cancellation_timeout=30)
+async def job_loop(
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    memo: Any,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    controller: Controller = memo.controller
+    key = _key(namespace, name)
+    pods: kopf.Index[tuple[str, str], PodRecord] = kwargs["ddpjob_pods"]
+    services: kopf.Index[tuple[str, str], str] = kwargs["ddpjob_services"]
+
+    def emit(kind: str, reason: str, message: str) -> None:
+        kopf.event(body, type=kind, reason=reason, message=message[:1000])
+
+    await controller.run_job(
+        body,
+        stopped,
+        logger,
+        pods=lambda: list(pods.get(key, [])),
+        service=lambda: key in services,
+        emit=emit,
+    )
+
+
+@kopf.on.delete(*JOBS)
+async def job_deleted(
+    namespace: str | None, name: str, memo: Any, logger: kopf.Logger, **_: Any
+) -> None:
+    """Let go of the job's pods (our tracking finalizer) so that garbage collection can work."""
+    controller: Controller = memo.controller
+    released = await controller.release_pods(*_key(namespace, name))
+    if released:
+        logger.info("released %d pods of the deleted job", released)
+
+
+@kopf.on.probe(id="reconcile")
+def reconcile_loop(memo: Any, **_: Any) -> str:
+    """Liveness: fails (500) when a reconcile pass is stuck, not merely when a task is alive."""
+    controller: Controller = memo.controller
+    stuck = controller.stuck_passes()
+    if stuck:
+        raise kopf.PermanentError(f"reconcile passes stuck for over 120s: {', '.join(stuck)}")
+    return "ok"

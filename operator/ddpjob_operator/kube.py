@@ -1,0 +1,305 @@
+"""The only module that calls the Kubernetes API: the operator's executor.
+
+Credentials come from the official ``kubernetes`` client's loaders (in-cluster service account
+first, else ``KUBECONFIG`` / ``~/.kube/config``, including exec plugins and token refresh), and
+requests go out on one aiohttp session, so the operator never blocks its event loop on I/O.
+
+Every call is retried on 429, 5xx and connection errors with capped exponential backoff
+(``Retry-After`` is honoured), and every error is counted by code. The calls are idempotent
+where it matters: creating an object that exists (409 AlreadyExists) is success, deleting one
+that is gone (404) is success, and deletes carry a uid precondition, so a replacement pod of the
+same name is never deleted by mistake. A stale status write raises :class:`ConflictError`: the
+caller reads the job again and decides again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import ssl
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+import kubernetes
+
+from ddpjob_operator import api
+from ddpjob_operator.errors import DDPJobError
+
+JSON = dict[str, Any]
+logger = logging.getLogger("ddpjob_operator.kube")
+
+RETRY_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0)
+"""Backoff between attempts on 429, 5xx and connection errors (then the error is raised)."""
+REQUEST_TIMEOUT = 30.0
+JOBS = f"/apis/{api.GROUP}/{api.VERSION}"
+
+
+class ApiError(DDPJobError):
+    """The API server answered with an error (after retries, for the retryable ones)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(f"{status} {reason}: {message}")
+
+
+class ConflictError(ApiError):
+    """409: a stale resourceVersion (or a failed precondition)."""
+
+
+class CrdMissingError(DDPJobError):
+    """The DDPJob CRD is not installed in the cluster."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    server: str
+    token: Callable[[], str | None]
+    ssl_context: ssl.SSLContext | bool
+
+
+def load_credentials(kubeconfig: str | None = None) -> Credentials:
+    """In-cluster config if there is one, else the kubeconfig (``KUBECONFIG``)."""
+    config = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
+    except kubernetes.config.ConfigException:
+        try:
+            kubernetes.config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=kubeconfig, client_configuration=config
+            )
+        except (kubernetes.config.ConfigException, OSError) as exc:
+            raise DDPJobError(
+                "no Kubernetes credentials: not in a cluster, and no usable kubeconfig "
+                f"({exc}); set KUBECONFIG or run in a pod with a service account"
+            ) from exc
+    return _credentials(config)
+
+
+def _credentials(config: kubernetes.client.Configuration) -> Credentials:
+    context: ssl.SSLContext | bool = False
+    if config.host.startswith("https"):
+        context = ssl.create_default_context(cafile=config.ssl_ca_cert)
+        if config.cert_file:
+            context.load_cert_chain(config.cert_file, config.key_file)
+        if not config.verify_ssl:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+
+    def token() -> str | None:
+        hook = config.refresh_api_key_hook
+        if hook is not None:
+            hook(config)  # in-cluster token rotation, exec plugins
+        value: str | None = config.get_api_key_with_prefix("authorization")
+        if value is None and config.username:
+            value = config.get_basic_auth_token()
+        return value
+
+    return Credentials(server=config.host.rstrip("/"), token=token, ssl_context=context)
+
+
+ErrorHook = Callable[[int], None]
+
+
+class KubeApi:
+    """A small async client: JSON in, JSON out, retries and error metrics built in."""
+
+    def __init__(self, credentials: Credentials, on_error: ErrorHook | None = None) -> None:
+        self.credentials = credentials
+        self.on_error = on_error or (lambda _: None)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+                connector=aiohttp.TCPConnector(ssl=self.credentials.ssl_context, limit=64),
+            )
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: object = None,
+        *,
+        params: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> JSON:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        data = None if body is None else json.dumps(body)
+        for attempt, delay in enumerate((*RETRY_DELAYS, None)):
+            token = self.credentials.token()
+            if token:
+                headers["Authorization"] = token
+            try:
+                async with self._client().request(
+                    method,
+                    self.credentials.server + path,
+                    data=data,
+                    headers=headers,
+                    params=params,
+                ) as response:
+                    text = await response.text()
+                    if response.status < 400:
+                        result: JSON = json.loads(text) if text else {}
+                        return result
+                    error = _api_error(response.status, text)
+                    retry_after = response.headers.get("Retry-After")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                error = ApiError(0, "ConnectionError", str(exc) or type(exc).__name__)
+                retry_after = None
+            self.on_error(error.status)
+            if delay is None or not _retryable(error.status):
+                raise error
+            wait = delay
+            if retry_after and retry_after.isdigit():
+                wait = max(delay, min(float(retry_after), 10.0))
+            logger.debug("%s %s: %s; retry %d in %.1fs", method, path, error, attempt + 1, wait)
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ---- the calls the operator makes ----------------------------------------------------
+
+    async def check_crd(self) -> None:
+        """Refuse to start without the DDPJob CRD (discovery: no extra RBAC needed)."""
+        try:
+            resources = await self.request("GET", JOBS)
+        except ApiError as exc:
+            if exc.status == 404:
+                raise CrdMissingError(
+                    f"the DDPJob CRD ({api.PLURAL}.{api.GROUP}, {api.VERSION}) is not installed in "
+                    "this cluster: kubectl apply -f deploy/crd.yaml (or install the Helm chart), "
+                    "then start the operator again"
+                ) from exc
+            raise
+        names = {r.get("name") for r in resources.get("resources") or []}
+        if api.PLURAL not in names:
+            raise CrdMissingError(
+                f"{JOBS} does not serve {api.PLURAL}: the CRD is not the one this operator needs; "
+                "kubectl apply -f deploy/crd.yaml"
+            )
+
+    async def get_job(self, namespace: str, name: str) -> JSON:
+        return await self.request("GET", f"{JOBS}/namespaces/{namespace}/{api.PLURAL}/{name}")
+
+    async def write_status(
+        self, namespace: str, name: str, resource_version: str, status: JSON
+    ) -> JSON:
+        """Replace ``.status`` whole, only if the job is still at ``resource_version``.
+
+        A merge patch replaces lists wholesale, so sending the full status keeps every list
+        exactly as decided; the resourceVersion makes a stale write fail with 409.
+        """
+        body = {"metadata": {"resourceVersion": resource_version}, "status": status}
+        return await self.request(
+            "PATCH",
+            f"{JOBS}/namespaces/{namespace}/{api.PLURAL}/{name}/status",
+            body,
+            content_type="application/merge-patch+json",
+        )
+
+    async def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        await self._delete(
+            f"{JOBS}/namespaces/{namespace}/{api.PLURAL}/{name}",
+            {"preconditions": {"uid": uid}, "propagationPolicy": "Background"},
+        )
+
+    async def create(self, path: str, body: JSON) -> None:
+        """Create; an object of that name that exists already is fine (idempotent)."""
+        try:
+            await self.request("POST", path, body)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+
+    async def create_pod(self, namespace: str, pod: JSON) -> None:
+        await self.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+
+    async def create_service(self, namespace: str, service: JSON) -> None:
+        await self.create(f"/api/v1/namespaces/{namespace}/services", service)
+
+    async def create_network_policy(self, namespace: str, policy: JSON) -> None:
+        await self.create(
+            f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies", policy
+        )
+
+    async def delete_pod(self, namespace: str, name: str, uid: str, force: bool = False) -> None:
+        options: JSON = {"preconditions": {"uid": uid}}
+        if force:
+            options["gracePeriodSeconds"] = 0
+        await self._delete(f"/api/v1/namespaces/{namespace}/pods/{name}", options)
+
+    async def _delete(self, path: str, options: JSON) -> None:
+        try:
+            await self.request("DELETE", path, options)
+        except ApiError as exc:
+            # Gone already, or the name now belongs to another incarnation: nothing to do.
+            if exc.status not in (404, 409):
+                raise
+
+    async def remove_finalizer(
+        self, namespace: str, name: str, uid: str, finalizers: Sequence[str], finalizer: str
+    ) -> None:
+        """Remove one finalizer, guarded by the pod's uid and its current finalizer list."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+        current = list(finalizers)
+        for _ in range(3):
+            if finalizer not in current:
+                return
+            patch = [
+                {"op": "test", "path": "/metadata/uid", "value": uid},
+                {"op": "test", "path": "/metadata/finalizers", "value": current},
+                {
+                    "op": "replace",
+                    "path": "/metadata/finalizers",
+                    "value": [f for f in current if f != finalizer],
+                },
+            ]
+            try:
+                await self.request("PATCH", path, patch, content_type="application/json-patch+json")
+                return
+            except ApiError as exc:
+                if exc.status == 404:
+                    return
+                if exc.status not in (409, 422):
+                    raise
+            # Someone changed the pod (or its finalizers) since we looked: look again.
+            try:
+                pod = await self.request("GET", path)
+            except ApiError as exc:
+                if exc.status == 404:
+                    return
+                raise
+            if pod.get("metadata", {}).get("uid") != uid:
+                return
+            current = list(pod.get("metadata", {}).get("finalizers") or [])
+
+    async def list_pods(self, namespace: str, selector: str) -> list[JSON]:
+        result = await self.request(
+            "GET", f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": selector}
+        )
+        return list(result.get("items") or [])
+
+
+def _retryable(status: int) -> bool:
+    return status in (0, 429) or status >= 500
+
+
+def _api_error(status: int, text: str) -> ApiError:
+    reason, message = "", text[:500]
+    with contextlib.suppress(ValueError, AttributeError):
+        body = json.loads(text)
+        reason = str(body.get("reason") or "")
+        message = str(body.get("message") or message)
+    kind = ConflictError if status == 409 else ApiError
+    return kind(status, reason or "Error", message)
