@@ -101,6 +101,11 @@ class ApiApp:
         try:
             self._route_into(entry, request)
             fault = self.emu.take_fault(request.method, request.path)
+            if fault is not None and fault.status == 0:
+                # A slow API server, not an error: hold the request, then serve it.
+                entry.fault = True
+                await asyncio.sleep(fault.delay)
+                fault = None
             if fault is not None:
                 entry.fault = True
                 if fault.delay:

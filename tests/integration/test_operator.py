@@ -1,0 +1,403 @@
+"""The real ``ddpjob operator`` process against the API emulator, with the test as the kubelet.
+
+Every scenario of the operator issue is a test here: create, failure, preemption, budget,
+scaling through the scale subresource, suspend/resume, deadline, pod 0 deleted, pod 0's node
+lost, SIGKILL mid-reconcile, injected 500/409/watch drops, an invalid spec next to a healthy job,
+namespaces, success with cleanup, and deletion.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from .operator_env import OperatorEnv, operator_env, wait_for
+
+pytestmark = pytest.mark.slow
+
+FINALIZER = "ddpjob.io/pod-tracking"
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[OperatorEnv]:
+    with operator_env(tmp_path) as world:
+        world.start_operator()
+        yield world
+
+
+def names(pods: list[dict[str, Any]]) -> list[str]:
+    return [p["metadata"]["name"] for p in pods]
+
+
+def live(env: OperatorEnv, job: str, namespace: str = "default") -> list[str]:
+    return names(
+        [p for p in env.pods(job, namespace) if not p["metadata"].get("deletionTimestamp")]
+    )
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {
+        e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]
+    }
+
+
+def running_job(env: OperatorEnv, name: str, replicas: int = 2, **spec: Any) -> None:
+    env.create_job(name, replicas=replicas, **spec)
+    wait_for(lambda: len(env.pods(name)) == replicas, f"{replicas} pods of {name}")
+    env.run_pods(name)
+    wait_for(lambda: env.status(name).get("phase") == "Running", f"{name} Running")
+
+
+def phase_of(env: OperatorEnv, pod: str) -> str | None:
+    found = env.pod(pod)
+    return None if found is None else found.get("status", {}).get("phase")
+
+
+def counts(env: OperatorEnv, name: str) -> tuple[int, int]:
+    status = env.status(name)
+    return status.get("restarts", 0), status.get("backoffCount", 0)
+
+
+def test_create_makes_the_service_and_every_pod_with_the_env(env: OperatorEnv) -> None:
+    created = env.create_job("alpha", replicas=3)
+    pods = wait_for(lambda: len(env.pods("alpha")) == 3 and env.pods("alpha"), "3 pods")
+    assert names(pods) == ["alpha-worker-0", "alpha-worker-1", "alpha-worker-2"]
+    service = wait_for(
+        lambda: env.control.get_object("v1/services", "default", "alpha"), "the Service"
+    )
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    uid = created["metadata"]["uid"]
+    for index, pod in enumerate(pods):
+        meta = pod["metadata"]
+        assert meta["labels"]["ddpjob.io/job-name"] == "alpha"
+        assert meta["labels"]["ddpjob.io/replica-index"] == str(index)
+        assert meta["finalizers"] == [FINALIZER]
+        assert meta["ownerReferences"][0]["uid"] == uid
+        assert pod["spec"]["hostname"] == f"alpha-worker-{index}"
+        assert pod["spec"]["subdomain"] == "alpha"
+        variables = env_of(pod)
+        assert variables["PET_RDZV_ENDPOINT"] == "alpha-worker-0.alpha.default.svc:29400"
+        assert variables["PET_NNODES"] == "1:4"
+        assert variables["DDPJOB_RDZV_HOST"] == ("1" if index == 0 else "0")
+    status = wait_for(lambda: env.status("alpha").get("selector") and env.status("alpha"), "status")
+    assert status["phase"] == "Pending"
+    assert status["observedGeneration"] == 1
+    # The job gets our finalizer (not kopf's), and no kopf annotation under kopf's prefix.
+    job = env.job("alpha")
+    assert job is not None
+    assert job["metadata"]["finalizers"] == ["ddpjob.io/operator"]
+    assert not [a for a in job["metadata"].get("annotations", {}) if a.startswith("kopf.")]
+    env.run_pods("alpha")
+    running = wait_for(
+        lambda: env.status("alpha").get("readyReplicas") == 3 and env.status("alpha"), "3 ready"
+    )
+    assert running["phase"] == "Running"
+    assert env.events(reason="CreatedPods")
+
+
+def test_a_failed_pod_is_replaced_and_counted_once(env: OperatorEnv) -> None:
+    running_job(env, "beta")
+    old = env.pod("beta-worker-1")
+    assert old is not None
+    env.finish_pod("beta-worker-1", exit_code=1)
+    wait_for(lambda: counts(env, "beta") == (1, 1), "restarts and backoffCount at 1")
+    replacement = wait_for(
+        lambda: (
+            (pod := env.pod("beta-worker-1"))
+            and pod["metadata"]["uid"] != old["metadata"]["uid"]
+            and pod
+        ),
+        "a new beta-worker-1",
+    )
+    assert replacement["metadata"]["finalizers"] == [FINALIZER]
+    [failure] = env.status("beta")["failures"]
+    assert (failure["pod"], failure["reason"], failure["charged"]) == (
+        "beta-worker-1",
+        "ExitCode(1)",
+        True,
+    )
+    assert env.events(reason="PodFailed")
+    time.sleep(1.0)
+    assert counts(env, "beta") == (1, 1)  # later passes never count it again
+    assert len(env.pods("beta")) == 2
+
+
+def test_a_preempted_pod_is_replaced_for_free(env: OperatorEnv) -> None:
+    running_job(env, "gamma")
+    env.control.set_pod_phase(
+        "default",
+        "gamma-worker-1",
+        "Running",
+        conditions=[
+            {"type": "Ready", "status": "True"},
+            {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"},
+        ],
+    )
+    assert env.delete("/api/v1/namespaces/default/pods/gamma-worker-1") == 200
+    wait_for(lambda: env.status("gamma").get("restarts") == 1, "the preemption counted")
+    assert env.status("gamma")["backoffCount"] == 0
+    assert env.status("gamma")["failures"][0]["reason"] == "Preempted"
+    env.confirm_deletions("gamma")
+    wait_for(lambda: "gamma-worker-1" in live(env, "gamma"), "gamma-worker-1 recreated")
+    assert counts(env, "gamma") == (1, 0)
+
+
+def test_the_budget_spent_fails_the_job(env: OperatorEnv) -> None:
+    running_job(env, "delta", backoffLimit=1)
+    env.finish_pod("delta-worker-1", exit_code=3)
+    wait_for(lambda: counts(env, "delta") == (1, 1), "first failure")
+    wait_for(lambda: phase_of(env, "delta-worker-1") == "Pending", "replacement")
+    env.run_pods("delta")
+    env.finish_pod("delta-worker-0", exit_code=3)
+    status = wait_for(
+        lambda: env.status("delta").get("phase") == "Failed" and env.status("delta"), "Failed"
+    )
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded"
+    assert status["backoffCount"] == 2
+    # cleanPodPolicy Running: the pod still running is deleted, the failed one kept for logs.
+    wait_for(lambda: "delta-worker-1" not in live(env, "delta"), "cleanup")
+
+
+def test_scale_up_then_down_through_the_scale_subresource(env: OperatorEnv) -> None:
+    running_job(env, "eps")
+    env.scale("eps", 4)
+    wait_for(lambda: len(live(env, "eps")) == 4, "4 pods")
+    env.run_pods("eps")
+    wait_for(lambda: env.status("eps").get("replicas") == 4, "status.replicas 4")
+    env.scale("eps", 1)
+    wait_for(lambda: live(env, "eps") == ["eps-worker-0"], "scaled to pod 0 only")
+    env.confirm_deletions("eps")
+    wait_for(lambda: names(env.pods("eps")) == ["eps-worker-0"], "the others gone")
+    assert counts(env, "eps") == (0, 0)
+    assert env.status("eps")["failures"] == []
+    assert env.events(reason="ScalingDown")
+    over = env.api("GET", "/apis/ddpjob.io/v1alpha1/namespaces/default/ddpjobs/eps/scale").json()
+    assert over["spec"]["replicas"] == 1
+
+
+def test_suspend_then_resume(env: OperatorEnv) -> None:
+    running_job(env, "zeta")
+    env.patch_job("zeta", {"spec": {"suspend": True}})
+    wait_for(lambda: env.status("zeta").get("phase") == "Suspended", "Suspended")
+    wait_for(lambda: live(env, "zeta") == [], "every pod deleted")
+    env.confirm_deletions("zeta")
+    wait_for(lambda: env.pods("zeta") == [], "the pods gone")
+    env.patch_job("zeta", {"spec": {"suspend": False}})
+    wait_for(lambda: len(live(env, "zeta")) == 2, "pods again")
+    env.run_pods("zeta")
+    status = wait_for(
+        lambda: env.status("zeta").get("phase") == "Running" and env.status("zeta"), "Running"
+    )
+    assert (status["restarts"], status["backoffCount"]) == (0, 0)
+    assert all(c["status"] == "False" for c in status["conditions"] if c["type"] == "Restarting")
+
+
+def test_the_deadline_passes(env: OperatorEnv) -> None:
+    running_job(env, "eta", activeDeadlineSeconds=2)
+    status = wait_for(
+        lambda: env.status("eta").get("phase") == "Failed" and env.status("eta"),
+        "Failed",
+        timeout=15,
+    )
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "DeadlineExceeded"
+    wait_for(lambda: live(env, "eta") == [], "running pods cleaned up")
+
+
+def test_pod0_deleted_by_a_user_comes_back_under_the_same_name(env: OperatorEnv) -> None:
+    running_job(env, "theta")
+    old = env.pod("theta-worker-0")
+    assert old is not None
+    assert env.delete("/api/v1/namespaces/default/pods/theta-worker-0") == 200
+    wait_for(lambda: env.status("theta").get("restarts") == 1, "the deletion counted")
+    env.confirm_deletions("theta")
+    new = wait_for(
+        lambda: (
+            (pod := env.pod("theta-worker-0"))
+            and pod["metadata"]["uid"] != old["metadata"]["uid"]
+            and pod
+        ),
+        "pod 0 recreated",
+    )
+    assert (new["spec"]["hostname"], new["spec"]["subdomain"]) == ("theta-worker-0", "theta")
+    assert env.status("theta")["failures"][0]["reason"] == "Deleted"
+    assert counts(env, "theta") == (1, 0)
+    assert env.pod("theta-worker-1")["metadata"]["uid"]  # type: ignore[index] # untouched
+
+
+def test_pod0_on_a_lost_node_recovers_within_the_bound(env: OperatorEnv) -> None:
+    running_job(env, "iota", forceDeleteAfterSeconds=2)
+    pod = env.pod("iota-worker-0")
+    assert pod is not None
+    # The node lifecycle controller: DisruptionTarget, then a graceful delete no kubelet confirms.
+    env.control.set_pod_phase(
+        "default",
+        "iota-worker-0",
+        "Running",
+        conditions=[
+            {"type": "Ready", "status": "False"},
+            {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"},
+        ],
+    )
+    assert env.delete("/api/v1/namespaces/default/pods/iota-worker-0", gracePeriodSeconds=1) == 200
+    started = time.monotonic()
+    wait_for(
+        lambda: (
+            (new := env.pod("iota-worker-0")) and new["metadata"]["uid"] != pod["metadata"]["uid"]
+        ),
+        "pod 0 replaced",
+        timeout=20,
+    )
+    elapsed = time.monotonic() - started
+    assert elapsed < 1 + 2 + 5, f"replaced after {elapsed:.1f}s; the bound is grace 1 s + 2 s"
+    status = env.status("iota")
+    assert status["failures"][0]["reason"] == "NodeLost"
+    assert (status["restarts"], status["backoffCount"]) == (1, 0)
+
+
+def test_sigkill_mid_reconcile_then_restart_makes_no_duplicates_and_exact_counts(
+    env: OperatorEnv,
+) -> None:
+    running_job(env, "kappa", replicas=3)
+    # Hold every pod creation for 3 s, so the operator is mid-pass when it dies.
+    env.control.add_fault("POST", r"/pods$", 0, count=100, delay=3)  # 0: delay only
+    env.finish_pod("kappa-worker-2", exit_code=1)
+    wait_for(lambda: counts(env, "kappa") == (1, 1), "failure counted")
+    time.sleep(0.5)
+    env.stop_operator(signal.SIGKILL)
+    env.control.clear_faults()
+    env.finish_pod("kappa-worker-1", exit_code=137, reason="OOMKilled")
+    env.start_operator()
+    wait_for(lambda: counts(env, "kappa") == (2, 2), "second failure counted once", timeout=30)
+    wait_for(lambda: len(live(env, "kappa")) == 3, "3 live pods", timeout=30)
+    env.run_pods("kappa")
+    wait_for(lambda: env.status("kappa").get("phase") == "Running", "Running again")
+    time.sleep(1.5)
+    assert counts(env, "kappa") == (2, 2)
+    assert names(env.pods("kappa")) == ["kappa-worker-0", "kappa-worker-1", "kappa-worker-2"]
+    reasons = sorted(f["reason"] for f in env.status("kappa")["failures"])
+    assert reasons == ["ExitCode(1)", "OOMKilled"]
+    creates = env.control.count_requests("create", "pods", status=201)
+    assert creates == 3 + 2  # the first three, then one replacement per failed pod
+
+
+def test_injected_500s_409s_and_watch_drops_converge(env: OperatorEnv) -> None:
+    env.control.add_fault("POST", r"/pods$", 500, count=3)
+    env.control.add_fault("PATCH", r"/ddpjobs/lam/status$", 409, count=2)
+    env.create_job("lam", replicas=3)
+    wait_for(lambda: len(env.pods("lam")) == 3, "3 pods despite 500s")
+    env.control.drop_watches()
+    env.run_pods("lam")
+    wait_for(lambda: env.status("lam").get("phase") == "Running", "Running despite 409s and drops")
+    env.control.add_fault("DELETE", r"/pods/lam-worker-2$", 500, count=2)
+    env.control.drop_watches(abort=True)
+    env.finish_pod("lam-worker-2", exit_code=1)
+    wait_for(lambda: counts(env, "lam") == (1, 1), "failure counted")
+    env.confirm_deletions("lam")
+    wait_for(lambda: len(live(env, "lam")) == 3, "replaced")
+    assert counts(env, "lam") == (1, 1)
+    assert 'ddpjob_api_errors_total{code="500"}' in env.metrics()
+
+
+def test_an_invalid_spec_fails_that_job_only(env: OperatorEnv) -> None:
+    bad = {
+        "apiVersion": "ddpjob.io/v1alpha1",
+        "kind": "DDPJob",
+        "metadata": {"name": "mu", "namespace": "default"},
+        "spec": {"replicas": 2, "nprocPerNode": 0, "template": {"spec": {"containers": []}}},
+    }
+    response = env.api("POST", "/apis/ddpjob.io/v1alpha1/namespaces/default/ddpjobs", bad)
+    assert response.status_code == 201  # the emulator has no schema: it slipped past
+    running_job(env, "nu")
+    status = wait_for(
+        lambda: env.status("mu").get("phase") == "Failed" and env.status("mu"), "mu Failed"
+    )
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidSpec"
+    assert (
+        "spec.nprocPerNode" in failed["message"]
+        and "spec.template.spec.containers" in failed["message"]
+    )
+    assert env.pods("mu") == []
+    env.finish_pod("nu-worker-1", exit_code=1)
+    wait_for(lambda: counts(env, "nu") == (1, 1), "the other job still served")
+
+
+def test_a_namespace_the_operator_does_not_watch_is_untouched(tmp_path: Path) -> None:
+    with operator_env(tmp_path, namespaces=["default", "team-a", "team-b"]) as world:
+        world.start_operator(namespaces=("team-a",))
+        world.create_job("xi", namespace="team-b")
+        world.create_job("xi", namespace="team-a")
+        wait_for(lambda: len(world.pods("xi", "team-a")) == 2, "team-a served")
+        time.sleep(1.5)
+        assert world.pods("xi", "team-b") == []
+        assert world.status("xi", "team-b") == {}
+        job = world.job("xi", "team-b")
+        assert job is not None and not job["metadata"].get("finalizers")
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("Running", 2), ("All", 0)])
+def test_all_pods_succeed_then_cleanup_follows_the_policy(
+    env: OperatorEnv, policy: str, kept: int
+) -> None:
+    running_job(env, "omicron", cleanPodPolicy=policy)
+    env.finish_pod("omicron-worker-0", exit_code=0, reason="Completed")
+    wait_for(lambda: env.status("omicron").get("succeeded") == 1, "completing")
+    env.finish_pod("omicron-worker-1", exit_code=0, reason="Completed")
+    status = wait_for(
+        lambda: env.status("omicron").get("phase") == "Succeeded" and env.status("omicron"),
+        "Succeeded",
+    )
+    assert status["completionTime"]
+    wait_for(lambda: len(env.pods("omicron")) == kept, f"{kept} pods kept")
+    for pod in env.pods("omicron"):
+        assert pod["metadata"].get("finalizers") in (None, [])  # released
+    assert env.events(reason="Succeeded")
+
+
+def test_a_deleted_job_recreates_nothing_and_releases_its_pods(env: OperatorEnv) -> None:
+    running_job(env, "pi")
+    assert env.delete("/apis/ddpjob.io/v1alpha1/namespaces/default/ddpjobs/pi") == 200
+    wait_for(lambda: env.job("pi") is None, "the job gone (our finalizer released)")
+    env.confirm_deletions("pi")
+    wait_for(lambda: env.pods("pi") == [], "its pods garbage-collected and released")
+    time.sleep(1.0)
+    assert env.pods("pi") == []
+    assert env.control.count_requests("create", "pods") == 2
+
+
+def test_metrics_liveness_and_json_logs(env: OperatorEnv) -> None:
+    running_job(env, "rho")
+    env.finish_pod("rho-worker-1", exit_code=1)
+    wait_for(lambda: counts(env, "rho") == (1, 1), "failure counted")
+    text = wait_for(
+        lambda: (
+            'ddpjob_pods_replaced_total{reason="ExitCode(1)"} 1.0' in (t := env.metrics()) and t
+        ),
+        "metrics",
+    )
+    assert 'ddpjob_jobs{phase="Running"} 1.0' in text
+    assert "ddpjob_reconcile_seconds_count" in text
+    health = requests.get(f"http://127.0.0.1:{env.health_port}/healthz", timeout=10)
+    assert health.status_code == 200 and json.loads(health.text)["reconcile"] == "ok"
+    lines = [json.loads(line) for line in env.log().splitlines() if line.startswith("{")]
+    about_rho = [line for line in lines if line.get("object", {}).get("name") == "rho"]
+    assert about_rho and all(line["object"]["namespace"] == "default" for line in about_rho)
+    assert any("actions" in line["message"] for line in about_rho)
+
+
+def test_refuses_to_start_without_the_crd(tmp_path: Path) -> None:
+    with operator_env(tmp_path, with_ddpjob_crd=False) as world:
+        world.start_operator()
+        assert world.process is not None
+        assert world.process.wait(timeout=30) == 2
+        assert "the DDPJob CRD (ddpjobs.ddpjob.io, v1alpha1) is not installed" in world.log()
