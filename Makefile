@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXAMPLE ?= examples/quickstart.yaml
 
-.PHONY: run validate test lint unit integration e2e bench crd clean
+.PHONY: run validate test lint unit integration e2e bench crd manifests clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ unit: $(STAMP)
 crd: $(STAMP)  ## Regenerate the CRD copies from the models
 	$(BIN)/ddpjob crd > deploy/crd.yaml
 	$(BIN)/ddpjob crd > charts/ddpjob/crds/ddpjob.io_ddpjobs.yaml
+
+manifests: $(STAMP)  ## Re-render deploy/ddpjob.yaml from charts/ddpjob (default values, ddpjob-system)
+	$(BIN)/python -m tests.tools manifests
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_agent.py
