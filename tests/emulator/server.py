@@ -202,7 +202,9 @@ class ApiApp:
                 )
             if method == "POST":
                 body = await _body(request)
-                return _json(self.emu.create(defn, ns, body), 201)
+                created = self.emu.create(defn, ns, body)
+                request[_LOG_KEY].name = created["metadata"]["name"]  # for counting by object
+                return _json(created, 201)
             if method == "DELETE":
                 opts = DeleteOptions.parse(await _body(request, optional=True), dict(q))
                 return _json(self.emu.delete_collection(defn, ns, labels, fields, opts))
