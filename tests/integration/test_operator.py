@@ -401,3 +401,44 @@ def test_refuses_to_start_without_the_crd(tmp_path: Path) -> None:
         assert world.process is not None
         assert world.process.wait(timeout=30) == 2
         assert "the DDPJob CRD (ddpjobs.ddpjob.io, v1alpha1) is not installed" in world.log()
+
+
+def resumed_marker_absent(log: str) -> bool:
+    """The standby never resumed while the active replica lived, and wrote no status."""
+    return "Resuming the watch-stream for ddpjobs" not in log and "actions:" not in log
+
+
+def test_two_replicas_with_peering_one_active_then_handover(tmp_path: Path) -> None:
+    with operator_env(tmp_path) as world:
+        peering = {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "KopfPeering",
+            "metadata": {"name": "ddpjob", "namespace": "default"},
+        }
+        response = world.api("POST", "/apis/kopf.dev/v1/namespaces/default/kopfpeerings", peering)
+        assert response.status_code == 201, response.text
+        world.start_operator("--peering", "ddpjob", "--priority", "100")
+        active = world.process
+        running_job(world, "sigma")
+        # A standby with a lower priority: it must pause, not act.
+        world.process = None
+        world.start_operator("--peering", "ddpjob", "--priority", "50", "--verbose")
+        standby_log = world.starts
+        paused = "Pausing the watch-stream for ddpjobs.v1alpha1.ddpjob.io in 'default' (blockers"
+        wait_for(lambda: paused in world.log(standby_log), "the standby pauses")
+        world.finish_pod("sigma-worker-1", exit_code=1)
+        wait_for(lambda: counts(world, "sigma") == (1, 1), "the active replica counts it")
+        wait_for(lambda: len(live(world, "sigma")) == 2, "replaced once")
+        assert resumed_marker_absent(world.log(standby_log))
+        assert world.control.count_requests("create", "pods", status=201) == 3
+        # The active replica leaves (a rolling update): the standby takes over.
+        assert active is not None
+        active.send_signal(signal.SIGTERM)
+        assert active.wait(timeout=30) == 0
+        resumed = "Resuming the watch-stream for ddpjobs.v1alpha1.ddpjob.io"
+        wait_for(lambda: resumed in world.log(standby_log), "the standby resumes", timeout=30)
+        world.run_pods("sigma")
+        world.finish_pod("sigma-worker-0", exit_code=1)
+        wait_for(lambda: counts(world, "sigma") == (2, 2), "the new active replica counts it")
+        wait_for(lambda: len(live(world, "sigma")) == 2, "replaced again")
+        assert world.control.count_requests("create", "pods", status=201) == 4
