@@ -442,3 +442,49 @@ def test_two_replicas_with_peering_one_active_then_handover(tmp_path: Path) -> N
         wait_for(lambda: counts(world, "sigma") == (2, 2), "the new active replica counts it")
         wait_for(lambda: len(live(world, "sigma")) == 2, "replaced again")
         assert world.control.count_requests("create", "pods", status=201) == 4
+
+
+def test_ttl_after_finished_deletes_the_job(env: OperatorEnv) -> None:
+    running_job(env, "tau", ttlSecondsAfterFinished=1)
+    for index in (0, 1):
+        env.finish_pod(f"tau-worker-{index}", exit_code=0, reason="Completed")
+    wait_for(lambda: env.status("tau").get("phase") == "Succeeded", "Succeeded")
+    wait_for(lambda: env.job("tau") is None, "the job deleted by its TTL", timeout=15)
+    wait_for(lambda: env.pods("tau") == [], "its pods garbage-collected")
+
+
+def test_network_policy_by_flag_and_per_job_override(tmp_path: Path) -> None:
+    with operator_env(tmp_path) as world:
+        world.start_operator("--network-policy")
+        template = {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": "ddpjob/worker-cpu:test",
+                        "ports": [{"containerPort": 6006, "name": "tensorboard"}],
+                    }
+                ]
+            }
+        }
+        world.create_job("upsilon", template=template)
+        world.create_job("phi", networkPolicy=False)
+        policy = wait_for(
+            lambda: world.control.get_object(
+                "networking.k8s.io/v1/networkpolicies", "default", "upsilon-ddpjob"
+            ),
+            "the NetworkPolicy",
+        )
+        assert policy["spec"]["podSelector"] == {"matchLabels": {"ddpjob.io/job-name": "upsilon"}}
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["ingress"] == [
+            {"from": [{"podSelector": {"matchLabels": {"ddpjob.io/job-name": "upsilon"}}}]},
+            {"ports": [{"port": 6006, "protocol": "TCP"}]},
+        ]
+        wait_for(lambda: len(world.pods("phi")) == 2, "phi's pods")
+        assert (
+            world.control.get_object(
+                "networking.k8s.io/v1/networkpolicies", "default", "phi-ddpjob"
+            )
+            is None
+        )

@@ -199,3 +199,6 @@ def test_built_objects_pass_strict_kubernetes_validation(version: str) -> None:
         kubernetes_validate.validate(
             builders.build_pod(job(template=template), index), version, strict=True
         )
+    restricted = job(template=template, securityProfile="Restricted")
+    kubernetes_validate.validate(builders.build_pod(restricted, 0), version, strict=True)
+    kubernetes_validate.validate(builders.build_network_policy(job()), version, strict=True)
