@@ -35,6 +35,7 @@ logger = logging.getLogger("ddpjob_operator.kube")
 RETRY_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0)
 """Backoff between attempts on 429, 5xx and connection errors (then the error is raised)."""
 REQUEST_TIMEOUT = 30.0
+USER_AGENT = "ddpjob-operator"
 JOBS = f"/apis/{api.GROUP}/{api.VERSION}"
 
 
@@ -135,7 +136,11 @@ class KubeApi:
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> JSON:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        headers = {
+            "Accept": "application/json",
+            "Content-Type": content_type,
+            "User-Agent": USER_AGENT,
+        }
         data = None if body is None else json.dumps(body)
         for attempt, delay in enumerate((*RETRY_DELAYS, None)):
             token = self.credentials.token()

@@ -97,6 +97,7 @@ class ApiApp:
         entry = self.emu.new_log_entry(
             time.time(), request.method, request.path, dict(request.query)
         )
+        entry.agent = request.headers.get("User-Agent")
         request[_LOG_KEY] = entry
         try:
             self._route_into(entry, request)

@@ -258,6 +258,7 @@ class LogEntry:
     status: int | None = None  # None while a watch is still streaming
     duration: float | None = None
     fault: bool = False
+    agent: str | None = None  # the client's User-Agent: who made the request
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}

@@ -488,3 +488,62 @@ def test_network_policy_by_flag_and_per_job_override(tmp_path: Path) -> None:
             )
             is None
         )
+
+
+def test_the_chart_grants_every_request_of_a_recorded_run(tmp_path: Path) -> None:
+    """Record every request the operator (kopf included) makes over a whole lifecycle, with
+    every option on, and check that the Helm chart's RBAC grants each one: no more is needed
+    than what the chart gives (the chart's own tests check it gives no more than the code uses).
+    """
+    from tests.tools import rendered_rbac_rules  # noqa: PLC0415 - extracts helm on first use
+
+    with operator_env(tmp_path) as world:
+        peering = {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "KopfPeering",
+            "metadata": {"name": "ddpjob", "namespace": "default"},
+        }
+        world.api("POST", "/apis/kopf.dev/v1/namespaces/default/kopfpeerings", peering)
+        world.start_operator("--peering", "ddpjob", "--network-policy")
+        running_job(world, "chi", ttlSecondsAfterFinished=1)
+        world.finish_pod("chi-worker-1", exit_code=1)
+        wait_for(lambda: counts(world, "chi") == (1, 1), "failure")
+        world.scale("chi", 3)
+        wait_for(lambda: len(live(world, "chi")) == 3, "scaled up")
+        world.run_pods("chi")
+        world.control.set_pod_phase(
+            "default",
+            "chi-worker-2",
+            "Running",
+            conditions=[
+                {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}
+            ],
+        )
+        world.delete("/api/v1/namespaces/default/pods/chi-worker-2", gracePeriodSeconds=0)
+        for pod in world.pods("chi"):
+            world.finish_pod(pod["metadata"]["name"], exit_code=0, reason="Completed")
+        wait_for(lambda: world.job("chi") is None, "the job TTL-deleted", timeout=20)
+        assert world.process is not None
+        operator_requests = [
+            entry
+            for entry in world.control.requests()
+            if str(entry.get("agent") or "").startswith(("ddpjob-operator", "kopf/"))
+            and entry.get("resource")
+        ]
+    used = {
+        (
+            entry["group"] or "",
+            entry["resource"] + (f"/{entry['subresource']}" if entry["subresource"] else ""),
+            entry["verb"],
+        )
+        for entry in operator_requests
+    }
+    granted = rendered_rbac_rules(
+        {"networkPolicy": {"enabled": True}, "replicaCount": 2, "clusterWide": False}
+    )
+    assert used, "no request recorded"
+    assert used <= granted, sorted(used - granted)
+    # The run exercised what the chart grants for these options.
+    assert ("", "pods", "create") in used and ("ddpjob.io", "ddpjobs/status", "patch") in used
+    assert ("networking.k8s.io", "networkpolicies", "create") in used
+    assert ("kopf.dev", "kopfpeerings", "patch") in used
