@@ -89,6 +89,14 @@ class Expectations:
         )
 
 
+class ActionsFailedError(Exception):
+    """Some actions of a pass failed (the others were carried out)."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors[:3]))
+
+
 @dataclasses.dataclass(frozen=True)
 class OperatorConfig:
     """Operator-wide defaults for jobs, from ``ddpjob operator``'s flags."""
@@ -259,7 +267,14 @@ class Controller:
         self._phases[key] = decision.status.phase
         self.metrics.set_phases(self._phases)
         await self._ensure_network_policy(key, job)
-        await self._execute(key, job.metadata.uid or "", decision.actions, records, expected)
+        try:
+            await self._execute(key, job.metadata.uid or "", decision.actions, records, expected)
+        except ActionsFailedError as exc:
+            # The API refused something (say, a pod the CRD schema let through but the API
+            # server rejects): tell the user on the job, then retry with backoff.
+            for message in sorted({str(e) for e in exc.errors if isinstance(e, ApiError)}):
+                emit("Warning", "ActionFailed", message)
+            raise
         for event in decision.events:
             emit(event.type, event.reason, event.message)
         _log_decision(logger, decision)
@@ -379,8 +394,14 @@ class Controller:
             elif isinstance(action, DeleteJob):
                 groups[3].append((self.kube.delete_job(*key, uid=job_uid), nothing))
         for group in groups:
-            if group:
-                await asyncio.gather(*(bounded(call, remember) for call, remember in group))
+            if not group:
+                continue
+            results = await asyncio.gather(
+                *(bounded(call, remember) for call, remember in group), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise ActionsFailedError(errors)
 
     async def release_pods(self, namespace: str, job_name: str) -> int:
         """Remove our finalizer from every pod of a job that is going away."""

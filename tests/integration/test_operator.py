@@ -547,3 +547,11 @@ def test_the_chart_grants_every_request_of_a_recorded_run(tmp_path: Path) -> Non
     assert ("", "pods", "create") in used and ("ddpjob.io", "ddpjobs/status", "patch") in used
     assert ("networking.k8s.io", "networkpolicies", "create") in used
     assert ("kopf.dev", "kopfpeerings", "patch") in used
+
+
+def test_a_pod_the_api_server_refuses_is_reported_on_the_job(env: OperatorEnv) -> None:
+    env.control.add_fault("POST", r"/pods$", 422, count=2, message='Pod "x" is invalid: bad')
+    env.create_job("psi")
+    event = wait_for(lambda: env.events(reason="ActionFailed"), "an ActionFailed event")
+    assert "422" in event[0]["message"] and "is invalid" in event[0]["message"]
+    wait_for(lambda: len(env.pods("psi")) == 2, "created once the API accepts them", timeout=30)
