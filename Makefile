@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXAMPLE ?= examples/quickstart.yaml
 
-.PHONY: run validate test lint unit integration e2e bench crd manifests clean
+.PHONY: run validate test lint unit integration e2e bench crd manifests clean images-offline
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ manifests: $(STAMP)  ## Re-render deploy/ddpjob.yaml from charts/ddpjob (default
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_agent.py
+
+images-offline:  ## operator + worker-cpu images with no registry: debootstrap base, local wheelhouse (root; docs/images.md)
+	scripts/images-offline.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
