@@ -31,6 +31,18 @@ test: lint  ## Everything that can run here: lint, types, layers, unit, integrat
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
+# The kind end-to-end suite (tests/e2e/conftest.py lists every knob): creates the kind cluster
+# ddpjob-e2e, builds the operator and worker-cpu images and loads them into it, helm-installs
+# charts/ddpjob, runs the DDPJob scenarios, deletes the cluster. KIND_NODE_IMAGE picks the
+# Kubernetes version, KEEP_CLUSTER=1 keeps the cluster, DDPJOB_E2E_REUSE=1 runs on an existing one.
+# DDPJOB_E2E=1: a missing kind or Docker fails the run instead of skipping it.
+E2E_PYTEST_ARGS ?=
+e2e:  ## kind end-to-end: cluster, images, Helm chart, recovery/scale/suspend scenario (needs Docker + kind)
+	@command -v kind >/dev/null 2>&1 || { echo "make e2e: kind is not on PATH; install it: https://kind.sigs.k8s.io/docs/user/quick-start/#installation" >&2; exit 1; }
+	@docker info >/dev/null 2>&1 || { echo "make e2e: the Docker daemon does not answer (docker info failed); kind needs a running Docker" >&2; exit 1; }
+	@$(MAKE) --no-print-directory $(STAMP)
+	DDPJOB_E2E=1 $(BIN)/python -m pytest -m e2e tests/e2e -v -rs $(E2E_PYTEST_ARGS)
+
 crd: $(STAMP)  ## Regenerate the CRD copies from the models
 	$(BIN)/ddpjob crd > deploy/crd.yaml
 	$(BIN)/ddpjob crd > charts/ddpjob/crds/ddpjob.io_ddpjobs.yaml

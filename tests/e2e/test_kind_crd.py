@@ -1,89 +1,56 @@
 """The CRD on a real API server (kind): structural schema, CEL rules, scale subresource.
 
-Opt-in: it runs wherever `docker`, `kind` and `kubectl` are on PATH and Docker answers, and is
-skipped with the reason otherwise (this repo's CI machine has no Docker engine or kind).
-Set DDPJOB_KIND_CLUSTER to reuse an existing kind cluster instead of creating one.
+Opt-in: it runs on the session's kind cluster (conftest.py; ``make e2e``) and is skipped with
+the reason when kind or a Docker daemon is missing. It needs only the CRD, not the operator:
+the jobs it creates live in ``default``, which the e2e operator does not serve. Set
+``DDPJOB_E2E_REUSE=1`` (or the older ``DDPJOB_KIND_CLUSTER=NAME``) to reuse an existing cluster.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-TOOLS = ("docker", "kind", "kubectl")
+from tests.e2e.cluster import ROOT, Kube
 
-
-def _skip_reason() -> str | None:
-    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
-    if missing:
-        return f"needs {', '.join(missing)} on PATH for a kind cluster"
-    info = subprocess.run(["docker", "info"], capture_output=True, check=False, timeout=30)
-    if info.returncode != 0:
-        return "the Docker engine does not answer (`docker info` failed)"
-    return None
-
-
-REASON = _skip_reason()
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
-
-
-def kubectl(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["kubectl", *args], input=stdin, capture_output=True, text=True, check=False, timeout=120
-    )
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    name = os.environ.get("DDPJOB_KIND_CLUSTER")
-    created = name is None
-    name = name or "ddpjob-e2e"
-    if created:
-        subprocess.run(["kind", "create", "cluster", "--name", name, "--wait", "120s"], check=True)
-    subprocess.run(["kubectl", "config", "use-context", f"kind-{name}"], check=True)
-    applied = kubectl("apply", "-f", str(ROOT / "deploy" / "crd.yaml"))
-    assert applied.returncode == 0, applied.stderr
-    established = kubectl(
-        "wait", "--for=condition=Established", "crd/ddpjobs.ddpjob.io", "--timeout=60s"
-    )
-    assert established.returncode == 0, established.stderr
-    yield name
-    if created:
-        subprocess.run(["kind", "delete", "cluster", "--name", name], check=False)
+def cluster(kind_cluster: Kube) -> Kube:
+    kube = kind_cluster.in_namespace("default")
+    kube.kubectl("apply", "-f", str(ROOT / "deploy" / "crd.yaml"))
+    kube.kubectl("wait", "--for=condition=Established", "crd/ddpjobs.ddpjob.io", "--timeout=60s")
+    return kube
 
 
 @pytest.mark.parametrize(
     "example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name
 )
-def test_examples_are_accepted_by_a_real_api_server(cluster: str, example: Path) -> None:
-    result = kubectl("apply", "--dry-run=server", "-f", str(example))
+def test_examples_are_accepted_by_a_real_api_server(cluster: Kube, example: Path) -> None:
+    result = cluster.kubectl("apply", "--dry-run=server", "-f", str(example), check=False)
     assert result.returncode == 0, result.stderr
 
 
-def test_cel_rule_rejects_replicas_outside_bounds(cluster: str) -> None:
+def test_cel_rule_rejects_replicas_outside_bounds(cluster: Kube) -> None:
     document = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
     document["spec"]["minReplicas"] = 3
-    result = kubectl("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(document))
+    result = cluster.kubectl(
+        "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(document), check=False
+    )
     assert result.returncode != 0
     assert "replicas must lie within minReplicas..maxReplicas" in result.stderr
 
 
-def test_scale_subresource_and_short_name(cluster: str) -> None:
-    created = kubectl("apply", "-f", str(ROOT / "examples" / "quickstart.yaml"))
-    assert created.returncode == 0, created.stderr
+def test_scale_subresource_and_short_name(cluster: Kube) -> None:
+    cluster.kubectl("apply", "-f", str(ROOT / "examples" / "quickstart.yaml"))
     try:
-        scaled = kubectl("scale", "ddpj/quickstart", "--replicas=3")
-        assert scaled.returncode == 0, scaled.stderr
-        got = kubectl("get", "ddpj/quickstart", "-o", "jsonpath={.spec.replicas}")
+        cluster.kubectl("scale", "ddpj/quickstart", "--replicas=3")
+        got = cluster.kubectl("get", "ddpj/quickstart", "-o", "jsonpath={.spec.replicas}")
         assert got.stdout == "3"
-        too_many = kubectl("scale", "ddpj/quickstart", "--replicas=4")
+        too_many = cluster.kubectl("scale", "ddpj/quickstart", "--replicas=4", check=False)
         assert too_many.returncode != 0
     finally:
-        kubectl("delete", "ddpj/quickstart", "--wait=false")
+        cluster.kubectl("delete", "ddpj/quickstart", "--wait=false", check=False)

@@ -1,0 +1,271 @@
+"""The kind cluster's lifecycle for the e2e tests (``make e2e``; opt-in).
+
+One cluster per session, shared by every test in this directory:
+
+1. ``kind create cluster --name ddpjob-e2e`` (``--image $KIND_NODE_IMAGE`` if set, else kind's
+   default node image), with a kubeconfig of its own: the user's ``~/.kube/config`` is never
+   touched;
+2. (``ddpjob_install``, only for the tests that need the operator) ``docker build --target
+   operator`` and ``--target worker-cpu``, ``kind load docker-image`` of both, then
+   ``helm upgrade --install`` of charts/ddpjob into ``ddpjob-system`` with the local operator
+   image (``pullPolicy: Never``), serving the test namespace ``ddpjob-e2e``;
+3. at the end: if a test failed, diagnostics (DDPJobs, pods, events, the operator's and the
+   job pods' logs, ``kind export logs``) in ``$DDPJOB_E2E_ARTIFACTS``; then
+   ``kind delete cluster``, unless ``KEEP_CLUSTER=1`` or the cluster was reused.
+
+Without kind or a Docker daemon that answers, every test here is skipped with the reason; with
+``DDPJOB_E2E=1`` (``make e2e``) it fails instead. kubectl and helm come from PATH, else from
+the dev extra's wheel (tests/tools.py).
+
+Environment:
+
+=========================  ===================================================================
+``KIND_NODE_IMAGE``        node image (Kubernetes version), e.g. ``kindest/node:v1.30.13@sha256:...``
+``DDPJOB_E2E_CLUSTER``     cluster name (``ddpjob-e2e``)
+``DDPJOB_E2E_REUSE=1``     run on an existing cluster of that name (else: fail if one exists);
+                           a reused cluster is never deleted. ``DDPJOB_KIND_CLUSTER=NAME`` is
+                           the older spelling of both.
+``KEEP_CLUSTER=1``         do not delete the cluster at the end
+``DDPJOB_E2E_TAG``         tag of the images built and loaded (``e2e``)
+``DDPJOB_E2E_BUILD=0``     do not build: use the existing ``ddpjob-operator:<tag>`` and
+                           ``ddpjob-worker-cpu:<tag>`` (e.g. from ``make images-offline``)
+``DDPJOB_E2E_BUILD_ARGS``  extra ``docker build`` arguments, shell-split
+``DDPJOB_E2E_ARTIFACTS``   where build logs and diagnostics go (``.cache/e2e-artifacts``)
+``DDPJOB_E2E_TIMEOUT``     per-test timeout in seconds, fixture setup included (3600)
+``KUBECTL``, ``HELM``      binaries to use instead of PATH's
+=========================  ===================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import tempfile
+from collections.abc import Generator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import (
+    ROOT,
+    Installed,
+    Kube,
+    missing_requirements,
+    required,
+    resolve_tool,
+    run,
+)
+
+DEFAULT_CLUSTER = "ddpjob-e2e"
+TEST_NAMESPACE = "ddpjob-e2e"
+OPERATOR_NAMESPACE = "ddpjob-system"
+RELEASE = "ddpjob"
+CHART = ROOT / "charts" / "ddpjob"
+OPERATOR_REPOSITORY = "ddpjob-operator"
+WORKER_REPOSITORY = "ddpjob-worker-cpu"
+
+FAILED = pytest.StashKey[bool]()
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def artifacts_dir() -> Path:
+    path = Path(os.environ.get("DDPJOB_E2E_ARTIFACTS") or ROOT / ".cache" / "e2e-artifacts")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# ---- hooks ---------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Image builds, cluster creation and torch start-up take far longer than pyproject's 300 s
+    per test; the first test of the session also pays for the session fixtures."""
+    timeout = int(os.environ.get("DDPJOB_E2E_TIMEOUT", "3600"))
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(timeout))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed:
+        item.session.stash[FAILED] = True
+    return report
+
+
+# ---- the cluster ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def e2e_requirements() -> None:
+    reason = missing_requirements()
+    if reason is None:
+        return
+    if required():
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)
+
+
+def _existing_clusters() -> list[str]:
+    return run(["kind", "get", "clusters"]).stdout.split()
+
+
+def dump_diagnostics(kube: Kube, target: Path) -> None:
+    """Everything needed to understand a failure, written before the cluster goes away."""
+    target.mkdir(parents=True, exist_ok=True)
+    every = ["--all-namespaces"]
+    commands = {
+        "ddpjobs.yaml": ["get", "ddpjobs", *every, "-o", "yaml"],
+        "pods.txt": ["get", "pods", *every, "-o", "wide"],
+        "pods.yaml": ["get", "pods", "-n", TEST_NAMESPACE, "-o", "yaml"],
+        "events.txt": ["get", "events", *every, "--sort-by=.lastTimestamp"],
+        "operator.log": [
+            "logs", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/component=operator",
+            "--tail=-1", "--prefix",
+        ],
+    }  # fmt: skip
+    for name, args in commands.items():
+        result = kube.kubectl(*args, check=False, timeout=120)
+        (target / name).write_text(result.stdout + result.stderr)
+    pods = kube.in_namespace(TEST_NAMESPACE).kubectl(
+        "get", "pods", "-o", "jsonpath={.items[*].metadata.name}", check=False
+    )
+    for pod in pods.stdout.split():
+        result = kube.kubectl(
+            "logs", "-n", TEST_NAMESPACE, pod, "--all-containers", check=False, timeout=60
+        )
+        (target / f"pod-{pod}.log").write_text(result.stdout + result.stderr)
+    run(["kind", "export", "logs", str(target / "kind"), "--name", kube.cluster], check=False,
+        timeout=300)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def kind_cluster(e2e_requirements: None, request: pytest.FixtureRequest) -> Iterator[Kube]:
+    """A kind cluster, created for the session (or reused on request), deleted at the end."""
+    legacy = os.environ.get("DDPJOB_KIND_CLUSTER")
+    name = os.environ.get("DDPJOB_E2E_CLUSTER") or legacy or DEFAULT_CLUSTER
+    reuse = _flag("DDPJOB_E2E_REUSE") or bool(legacy)
+    exists = name in _existing_clusters()
+    if exists and not reuse:
+        pytest.fail(
+            f"a kind cluster named {name!r} already exists: set DDPJOB_E2E_REUSE=1 to run on it, "
+            f"or delete it first (kind delete cluster --name {name})",
+            pytrace=False,
+        )
+    if reuse and not exists and legacy:
+        pytest.fail(f"DDPJOB_KIND_CLUSTER={legacy}: no such kind cluster", pytrace=False)
+    workdir = Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
+    kubeconfig = workdir / "kubeconfig"
+    created = not exists
+    if created:
+        create = ["kind", "create", "cluster", "--name", name, "--kubeconfig", str(kubeconfig)]
+        image = os.environ.get("KIND_NODE_IMAGE")
+        if image:
+            create += ["--image", image]
+        run([*create, "--wait", "300s"], timeout=1200)
+    else:
+        kubeconfig.write_text(run(["kind", "get", "kubeconfig", "--name", name]).stdout)
+    kube = Kube(kubeconfig, resolve_tool("kubectl"), resolve_tool("helm"), cluster=name)
+    try:
+        version = kube.kubectl("version", "-o", "json", check=False)
+        if version.returncode == 0:
+            server = json.loads(version.stdout).get("serverVersion", {}).get("gitVersion")
+            print(f"kind cluster {name}: Kubernetes {server}")
+        yield kube
+    finally:
+        if request.session.stash.get(FAILED, False):
+            target = artifacts_dir() / "diagnostics"
+            dump_diagnostics(kube, target)
+            print(f"e2e diagnostics in {target}")
+        if created and not _flag("KEEP_CLUSTER"):
+            run(["kind", "delete", "cluster", "--name", name], check=False, timeout=600)
+        elif created:
+            print(f"KEEP_CLUSTER: kind cluster {name} kept; kubeconfig: kind get kubeconfig "
+                  f"--name {name}")  # fmt: skip
+
+
+# ---- images and the operator ---------------------------------------------------------------
+
+
+def build_image(target: str, image: str, logs: Path) -> None:
+    log = logs / f"docker-build-{target}.log"
+    extra = shlex.split(os.environ.get("DDPJOB_E2E_BUILD_ARGS", ""))
+    args = ["docker", "build", "--target", target, "--tag", image, *extra, str(ROOT)]
+    print(f"$ {shlex.join(args)}  (log: {log})")
+    with log.open("w") as out:
+        result = subprocess.run(
+            args, stdout=out, stderr=subprocess.STDOUT, check=False, timeout=3600
+        )
+    if result.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        raise AssertionError(f"`{shlex.join(args)}` exited {result.returncode}:\n{tail}")
+
+
+def load_image(image: str, cluster: str) -> None:
+    """``kind load docker-image``; through an image archive if that fails (kind cannot read
+    some images from Docker's containerd image store directly)."""
+    loaded = run(["kind", "load", "docker-image", image, "--name", cluster], check=False,
+                 timeout=900)  # fmt: skip
+    if loaded.returncode == 0:
+        return
+    with tempfile.TemporaryDirectory(prefix="ddpjob-e2e-image-") as tmp:
+        archive = str(Path(tmp) / "image.tar")
+        run(["docker", "save", "--output", archive, image], timeout=900)
+        run(["kind", "load", "image-archive", archive, "--name", cluster], timeout=900)
+
+
+@pytest.fixture(scope="session")
+def ddpjob_install(kind_cluster: Kube) -> Installed:
+    """The local images in the cluster and the chart installed, serving ``ddpjob-e2e``."""
+    tag = os.environ.get("DDPJOB_E2E_TAG", "e2e")
+    operator_image = f"{OPERATOR_REPOSITORY}:{tag}"
+    worker_image = f"{WORKER_REPOSITORY}:{tag}"
+    logs = artifacts_dir()
+    if os.environ.get("DDPJOB_E2E_BUILD", "1") != "0":
+        build_image("operator", operator_image, logs)
+        build_image("worker-cpu", worker_image, logs)
+    else:
+        for image in (operator_image, worker_image):
+            found = run(["docker", "image", "inspect", image], check=False)
+            assert found.returncode == 0, (
+                f"DDPJOB_E2E_BUILD=0 but there is no image {image}: build it (docker build "
+                f"--target ... -t {image} ., or TAG={tag} make images-offline)"
+            )
+    for image in (operator_image, worker_image):
+        load_image(image, kind_cluster.cluster)
+
+    # The chart's watchNamespaces must exist before the install (a Role goes into each).
+    namespace = kind_cluster.kubectl(
+        "create", "namespace", TEST_NAMESPACE, "--dry-run=client", "-o", "yaml"
+    ).stdout
+    kind_cluster.kubectl("apply", "-f", "-", stdin=namespace)
+    values = {
+        "image": {"repository": OPERATOR_REPOSITORY, "tag": tag, "pullPolicy": "Never"},
+        "watchNamespaces": [TEST_NAMESPACE],
+    }
+    values_file = logs / "helm-values.json"
+    values_file.write_text(json.dumps(values))
+    kind_cluster.helm(
+        "upgrade", "--install", RELEASE, str(CHART),
+        "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
+        "--values", str(values_file), "--wait", "--timeout", "10m",
+    )  # fmt: skip
+    operator = kind_cluster.in_namespace(OPERATOR_NAMESPACE)
+    deployments = operator.items("deployments", "-l", f"app.kubernetes.io/instance={RELEASE}")
+    assert len(deployments) == 1, [d["metadata"]["name"] for d in deployments]
+    operator.kubectl(
+        "rollout", "status", f"deployment/{deployments[0]['metadata']['name']}",
+        "--timeout=300s", timeout=330,
+    )  # fmt: skip
+    return Installed(
+        kind_cluster.in_namespace(TEST_NAMESPACE), operator_image, worker_image, RELEASE,
+        OPERATOR_NAMESPACE,
+    )  # fmt: skip
