@@ -23,11 +23,17 @@ T = TypeVar("T")
 Doc = dict[str, Any]
 
 REQUIRED_ENV = "DDPJOB_E2E"
-"""``1`` (``make e2e`` sets it): a missing kind or Docker fails the tests instead of skipping."""
+"""``1`` (``make e2e`` sets it): a missing kind or Docker fails the tests instead of skipping.
+``0``: skip them even where kind and Docker exist (CI's ``test`` job: its ``e2e`` job runs them).
+Unset: run them wherever kind and Docker exist, skip them elsewhere."""
 
 
 def required() -> bool:
     return os.environ.get(REQUIRED_ENV, "") == "1"
+
+
+def disabled() -> bool:
+    return os.environ.get(REQUIRED_ENV, "") == "0"
 
 
 def resolve_tool(name: str) -> str:

@@ -14,7 +14,8 @@ One cluster per session, shared by every test in this directory:
    ``kind delete cluster``, unless ``KEEP_CLUSTER=1`` or the cluster was reused.
 
 Without kind or a Docker daemon that answers, every test here is skipped with the reason; with
-``DDPJOB_E2E=1`` (``make e2e``) it fails instead. kubectl and helm come from PATH, else from
+``DDPJOB_E2E=1`` (``make e2e``) it fails instead, and ``DDPJOB_E2E=0`` skips it even where kind
+and Docker exist (``make test`` in CI, whose ``e2e`` job runs the suite). kubectl and helm come from PATH, else from
 the dev extra's wheel (tests/tools.py).
 
 Environment:
@@ -52,6 +53,7 @@ from tests.e2e.cluster import (
     ROOT,
     Installed,
     Kube,
+    disabled,
     missing_requirements,
     required,
     resolve_tool,
@@ -106,6 +108,8 @@ def pytest_runtest_makereport(
 
 @pytest.fixture(scope="session")
 def e2e_requirements() -> None:
+    if disabled():
+        pytest.skip("DDPJOB_E2E=0: the kind e2e suite is turned off (run it with make e2e)")
     reason = missing_requirements()
     if reason is None:
         return
