@@ -519,9 +519,18 @@ def test_the_chart_grants_every_request_of_a_recorded_run(tmp_path: Path) -> Non
                 {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}
             ],
         )
+        lost = world.pod("chi-worker-2")
+        assert lost is not None
         world.delete("/api/v1/namespaces/default/pods/chi-worker-2", gracePeriodSeconds=0)
-        for pod in world.pods("chi"):
-            world.finish_pod(pod["metadata"]["name"], exit_code=0, reason="Completed")
+        wait_for(
+            lambda: (
+                (new := world.pod("chi-worker-2")) is not None
+                and new["metadata"]["uid"] != lost["metadata"]["uid"]
+            ),
+            "chi-worker-2 released and replaced",
+        )
+        for name in live(world, "chi"):
+            world.finish_pod(name, exit_code=0, reason="Completed")
         wait_for(lambda: world.job("chi") is None, "the job TTL-deleted", timeout=20)
         assert world.process is not None
         operator_requests = [
