@@ -190,7 +190,8 @@ def kind_cluster(e2e_requirements: None, request: pytest.FixtureRequest) -> Iter
             dump_diagnostics(kube, target)
             print(f"e2e diagnostics in {target}")
         if created and not _flag("KEEP_CLUSTER"):
-            run(["kind", "delete", "cluster", "--name", name], check=False, timeout=600)
+            delete = ["kind", "delete", "cluster", "--name", name, "--kubeconfig", str(kubeconfig)]
+            run(delete, check=False, timeout=600)
         elif created:
             print(f"KEEP_CLUSTER: kind cluster {name} kept; kubeconfig: kind get kubeconfig "
                   f"--name {name}")  # fmt: skip

@@ -264,11 +264,11 @@ def test_recovers_scales_suspends_and_succeeds(ddpjob_install: Installed) -> Non
 
     # 3. Scaling: the scale subresource, the status and the agents agree on the world size.
     job.assert_not_finished("scaling up")
-    kube.kubectl("scale", f"ddpjob/{JOB}", "--replicas=3")
+    kube.kubectl("scale", f"ddpj/{JOB}", "--replicas=3")
     status = job.wait_running(3, RECOVERY_TIMEOUT, replicas=3, worldSize=3)
     job.wait_world([pod_name(i) for i in range(3)], 3, RECOVERY_TIMEOUT)
     job.assert_not_finished("scaling down")
-    kube.kubectl("scale", f"ddpjob/{JOB}", "--replicas=2")
+    kube.kubectl("scale", f"ddpj/{JOB}", "--replicas=2")
     wait_until(
         lambda: pod_name(2) not in job.pods(),
         timeout=RECOVERY_TIMEOUT,
