@@ -204,7 +204,7 @@ def test_deployment_details(rendered: dict[str, list[tools.Doc]]) -> None:
     assert peered["replicas"] == 2 and "strategy" not in peered  # RollingUpdate, peering guards
 
     (container,) = single["template"]["spec"]["containers"]
-    assert container["image"] == "ghcr.io/ddpjob/ddpjob:0.1.0"  # the chart's appVersion
+    assert container["image"] == "ghcr.io/ddpjob/ddpjob-operator:0.1.0"  # the chart's appVersion
     probe = container["livenessProbe"]
     assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
     assert probe["periodSeconds"] >= 10 and probe["failureThreshold"] >= 3
