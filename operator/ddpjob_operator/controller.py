@@ -256,7 +256,7 @@ class Controller:
         decision = reconcile(
             job,
             observed,
-            dt.datetime.now(dt.UTC).replace(microsecond=0),
+            dt.datetime.now(dt.UTC),
             default_profile=self.config.security_profile,
         )
         if decision.status != job.status:

@@ -445,11 +445,13 @@ def test_two_replicas_with_peering_one_active_then_handover(tmp_path: Path) -> N
 
 
 def test_ttl_after_finished_deletes_the_job(env: OperatorEnv) -> None:
-    running_job(env, "tau", ttlSecondsAfterFinished=1)
+    running_job(env, "tau", ttlSecondsAfterFinished=3)
     for index in (0, 1):
         env.finish_pod(f"tau-worker-{index}", exit_code=0, reason="Completed")
-    wait_for(lambda: env.status("tau").get("phase") == "Succeeded", "Succeeded")
+    wait_for(lambda: env.status("tau").get("phase") == "Succeeded", "Succeeded", every=0.05)
+    finished = time.monotonic()
     wait_for(lambda: env.job("tau") is None, "the job deleted by its TTL", timeout=15)
+    assert time.monotonic() - finished > 2.0, "deleted before its TTL"
     wait_for(lambda: env.pods("tau") == [], "its pods garbage-collected")
 
 
