@@ -39,7 +39,6 @@ from ddpjob_operator.reconcile import (
     Decision,
     DeleteJob,
     DeletePod,
-    Event,
     Observed,
     RemoveFinalizer,
     reconcile,
@@ -472,4 +471,4 @@ async def _wait(wake: asyncio.Event, stopped: Any, timeout: float | None) -> Non
         task.cancel()
 
 
-__all__ = ["Controller", "Event", "OperatorConfig", "PodRecord", "pod_record"]
+__all__ = ["Controller", "OperatorConfig", "PodRecord", "pod_record"]
