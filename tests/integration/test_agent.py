@@ -258,6 +258,28 @@ def test_one_faulty_pod_is_charged_and_replaced_alone(make_cluster: MakeCluster)
     assert nodes[0].resumes()[-1][0] > 0, "resumed from a checkpoint"
 
 
+def test_when_the_faulty_pod_is_pod_0_the_others_wait_for_its_replacement(
+    make_cluster: MakeCluster,
+) -> None:
+    # Pod 0 hosts the store. Its crash is the root cause: with maxRestarts 0 it exits 1 and its
+    # store goes with it, possibly while pod 1 is still comparing failure reports in that store.
+    # Pod 1 must read that as a lost store host (a free restart and a rejoin), never as a
+    # charge: it waits for pod 0's replacement and the job finishes.
+    cluster = make_cluster(min_nodes=2, max_nodes=2, max_restarts=0)
+    args = [*train_args(30, sleep=0.05), "--crash-once-on-pod", "0", "--crash-step", "8"]
+    nodes = [cluster.start(i, args) for i in range(2)]
+    assert nodes[0].wait_exit(90) == 1, cluster.logs()
+    time.sleep(3)
+    assert nodes[1].running(), cluster.logs()
+    assert nodes[1].state().restart_count == 0, cluster.logs()
+    replacement = cluster.start(0, args)
+    finish_ok(cluster, [replacement, nodes[1]], 150)
+    state = nodes[1].state()
+    assert state.phase is Phase.SUCCEEDED
+    assert state.restart_count == 0, state
+    assert state.store_recoveries >= 1, state
+
+
 def test_a_worker_killed_by_a_signal_gives_128_plus_the_signal(make_cluster: MakeCluster) -> None:
     cluster = make_cluster(min_nodes=1, max_nodes=1, max_restarts=0)
     node = cluster.start(0, train_args(400))

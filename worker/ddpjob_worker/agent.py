@@ -152,7 +152,7 @@ class DdpjobAgent(LocalElasticAgent):
                 nodes_waiting, store_lost = self._poll_rendezvous()
             collateral = False
             if status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
-                collateral = self._is_collateral(group, noticed_at)
+                collateral, store_lost = self._is_collateral(group, noticed_at)
             action = decide(
                 status,
                 remaining_restarts=self._budget.remaining,
@@ -220,27 +220,43 @@ class DdpjobAgent(LocalElasticAgent):
         self.gave_up = True
         self._state.update(phase=Phase.FAILED)
 
-    def _is_collateral(self, group: WorkerGroup, noticed_at: float) -> bool:
+    def _is_collateral(self, group: WorkerGroup, noticed_at: float) -> tuple[bool, bool]:
         """Report our failure to the round's store; after the settle window, was another node's
         failure earlier? Then ours is collateral damage (its collective broke) and is free.
+
+        Returns ``(collateral, store_lost)``. In a DDPJob pod, when the store stops answering
+        during the exchange and we do not host it, its host is gone (say pod 0 spent its budget
+        and exited, as it does without closing the rendezvous): that is a lost store host, a
+        free restart and a rejoin once the operator has replaced pod 0, not a charge. Elsewhere
+        the agent that gives up closes the rendezvous, as torch does, and we charge.
 
         Decided from the agents' wall clocks at the moment each noticed its failure: the root
         cause's worker dies first, the others' only fail once it is gone (its sockets close) and
         they have unwound. Limits (docs/agent.md): clocks must agree to well within that gap,
-        two independent failures in one window charge only the earliest, and if the store does
-        not answer we charge, as torch does.
+        two independent failures in one window charge only the earliest. If the store does not
+        answer, a non-host agent takes its host as lost (free); the host itself charges.
         """
         store = group.store
         node = group.group_rank
         if store is None or node is None:
-            return False
+            return False, False
         try:
             store.append(FAILURE_REPORTS_KEY, format_report(FailureReport(noticed_at, node)))
             time.sleep(FAILURE_SETTLE_SECONDS)
             raw = store.get(FAILURE_REPORTS_KEY)
-        except Exception as exc:  # any store trouble: fall back to torch's rule (charge)
+        except (RuntimeError, OSError) as exc:  # store trouble (DistError is a RuntimeError);
+            # never a SignalException: a SIGTERM in the settle window must stop the agent.
+            if self._settings.in_ddpjob_pod and not self._settings.is_host:
+                # The store's host is gone (it may be the root cause itself, giving up). If the
+                # store was only slow, the recovery finds it up at once and rejoins: harmless.
+                logger.warning(
+                    "the rendezvous store stopped answering while comparing failure reports "
+                    "(%s): taking its host as lost; a free restart, then a rejoin",
+                    exc,
+                )
+                return False, True
             logger.warning("could not compare failure reports, charging this one: %s", exc)
-            return False
+            return False, False
         reports = parse_reports(raw.decode(errors="replace"))
         root = is_root_cause(reports, node)
         logger.info(
@@ -249,7 +265,7 @@ class DdpjobAgent(LocalElasticAgent):
             node,
             "the root cause" if root else "collateral (free restart)",
         )
-        return not root
+        return not root, False
 
     def _check_uninterruptible_state_timeout(
         self, worker_group: WorkerGroup, timeout: float
