@@ -406,14 +406,18 @@ class Controller:
         """Remove our finalizer from every pod of a job that is going away."""
         released = 0
         for pod in await self.kube.list_pods(namespace, api.job_selector(job_name)):
-            meta = pod.get("metadata") or {}
-            finalizers = list(meta.get("finalizers") or [])
-            if api.POD_FINALIZER in finalizers:
-                await self.kube.remove_finalizer(
-                    namespace, meta["name"], meta["uid"], finalizers, api.POD_FINALIZER
-                )
-                released += 1
+            released += await self.release_pod(namespace, pod.get("metadata") or {})
         return released
+
+    async def release_pod(self, namespace: str, meta: Mapping[str, Any]) -> bool:
+        """Remove our finalizer from one pod (by its metadata); False if it has none."""
+        finalizers = list(meta.get("finalizers") or [])
+        if api.POD_FINALIZER not in finalizers:
+            return False
+        await self.kube.remove_finalizer(
+            namespace, meta["name"], meta["uid"], finalizers, api.POD_FINALIZER
+        )
+        return True
 
 
 def _index_of(pod_name: str) -> int:

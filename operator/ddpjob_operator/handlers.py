@@ -105,15 +105,13 @@ async def pod_changed(
     controller.wake(key)
     meta = body.get("metadata") or {}
     jobs: kopf.Index[tuple[str, str], bool] = kwargs["ddpjobs"]
+    # A deleted pod whose job is gone (deleted while this operator was down): nobody else will
+    # release it.
     if (
         key not in jobs
         and meta.get("deletionTimestamp")
-        and api.POD_FINALIZER in (meta.get("finalizers") or [])
+        and await controller.release_pod(key[0], meta)
     ):
-        # The job is gone (deleted while this operator was down): nobody else will release it.
-        await controller.kube.remove_finalizer(
-            key[0], meta["name"], meta["uid"], meta.get("finalizers") or [], api.POD_FINALIZER
-        )
         logger.info("released pod %s of a job that no longer exists", meta["name"])
 
 

@@ -196,10 +196,6 @@ class Buckets:
     def live(self) -> tuple[ObservedPod, ...]:
         return self.active + self.surplus
 
-    @property
-    def terminating(self) -> tuple[ObservedPod, ...]:
-        return self.terminating_by_us + self.terminating_by_others
-
 
 def sort_pods(pods: Sequence[ObservedPod], accounted: Iterable[str], desired: int) -> Buckets:
     done = set(accounted)
