@@ -64,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--crash-step", type=int, default=5, help="step of --crash-once-on-pod")
     parser.add_argument(
+        "--crash-delay",
+        type=float,
+        default=0.0,
+        help="wait this long before that crash: the other ranks are then blocked in the step's "
+        "collective and fail within milliseconds of it",
+    )
+    parser.add_argument(
         "--sigterm-delay",
         type=float,
         default=0.0,
@@ -165,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             if step >= args.crash_step and not marker.exists():
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.touch()
+                time.sleep(args.crash_delay)
                 say(f"crash pod={pod} step={step}")
                 os._exit(1)
         if args.stuck_at_step == step and rank == 0:

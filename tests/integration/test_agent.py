@@ -258,6 +258,24 @@ def test_one_faulty_pod_is_charged_and_replaced_alone(make_cluster: MakeCluster)
     assert nodes[0].resumes()[-1][0] > 0, "resumed from a checkpoint"
 
 
+def test_a_peer_failing_milliseconds_after_the_crash_is_still_collateral(
+    make_cluster: MakeCluster,
+) -> None:
+    # Pod 1 crashes while pod 0 is already blocked in the step's allreduce: pod 0's worker
+    # fails within milliseconds, and both agents notice in the same 0.1 s monitor tick. Only the
+    # exit times order them: pod 1 is charged (exits 1), pod 0 restarts for free.
+    cluster = make_cluster(min_nodes=2, max_nodes=2, max_restarts=0)
+    args = [*train_args(30), "--crash-once-on-pod", "1", "--crash-step", "8"]
+    nodes = [cluster.start(i, [*args, "--crash-delay", "0.5"]) for i in range(2)]
+    assert nodes[1].wait_exit(90) == 1, cluster.logs()
+    wait_until("pod 0 decided", lambda: "failure reports of this round" in nodes[0].text(), 30)
+    assert "collateral (free restart)" in nodes[0].text(), cluster.logs()
+    assert nodes[0].running(), cluster.logs()
+    replacement = cluster.start(1, args)
+    finish_ok(cluster, [nodes[0], replacement], 120)
+    assert nodes[0].state().restart_count == 0
+
+
 def test_when_the_faulty_pod_is_pod_0_the_others_wait_for_its_replacement(
     make_cluster: MakeCluster,
 ) -> None:

@@ -12,8 +12,9 @@ pure functions in :mod:`ddpjob_worker.policy`):
   fresh rendezvous handler (the old TCPStore client is dead) and join a new round. torch raises
   ``RendezvousConnectionError`` and exits.
 * A failure is charged only to the node where it started. When one node's worker dies, every
-  other node's workers fail too (their collective breaks); each agent reports its failure to
-  the round's store and, after a short settle window, only the earliest report is charged. The
+  other node's workers fail too (their collective breaks); each agent reports when its first
+  worker exited (timed to the millisecond, :mod:`ddpjob_worker.exits`) to the round's store
+  and, after a short settle window, only the earliest report is charged. The
   others restart for free (torch charges every agent).
 * torch's own "stop restarting" decision (its uninterruptible-state watchdog) is honoured.
 * In a DDPJob pod, an agent that gives up does not close the rendezvous: its pod fails and is
@@ -60,6 +61,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from ddpjob_worker import signals
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
+from ddpjob_worker.exits import ExitClock
 from ddpjob_worker.policy import (
     FAILURE_REPORTS_KEY,
     FAILURE_SETTLE_SECONDS,
@@ -126,6 +128,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._rounds = 0
         self._restarts_disabled = False
         self._remaining_mirror = self._remaining_restarts
+        self._exit_clock = ExitClock()
         self.gave_up = False
 
     # -- the monitor loop -------------------------------------------------------------------
@@ -152,7 +155,9 @@ class DdpjobAgent(LocalElasticAgent):
                 nodes_waiting, store_lost = self._poll_rendezvous()
             collateral = False
             if status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
-                collateral, store_lost = self._is_collateral(group, noticed_at)
+                collateral, store_lost = self._is_collateral(
+                    group, self._failed_at(result, noticed_at)
+                )
             action = decide(
                 status,
                 remaining_restarts=self._budget.remaining,
@@ -220,7 +225,13 @@ class DdpjobAgent(LocalElasticAgent):
         self.gave_up = True
         self._state.update(phase=Phase.FAILED)
 
-    def _is_collateral(self, group: WorkerGroup, noticed_at: float) -> tuple[bool, bool]:
+    def _failed_at(self, result: RunResult, noticed_at: float) -> float:
+        """When our failure started: the first failed worker's exit, timed to the millisecond
+        (:mod:`ddpjob_worker.exits`); the moment we noticed it if that is unknown."""
+        exited = self._exit_clock.earliest(f.pid for f in result.failures.values())
+        return noticed_at if exited is None else min(exited, noticed_at)
+
+    def _is_collateral(self, group: WorkerGroup, failed_at: float) -> tuple[bool, bool]:
         """Report our failure to the round's store; after the settle window, was another node's
         failure earlier? Then ours is collateral damage (its collective broke) and is free.
 
@@ -230,18 +241,19 @@ class DdpjobAgent(LocalElasticAgent):
         free restart and a rejoin once the operator has replaced pod 0, not a charge. Elsewhere
         the agent that gives up closes the rendezvous, as torch does, and we charge.
 
-        Decided from the agents' wall clocks at the moment each noticed its failure: the root
-        cause's worker dies first, the others' only fail once it is gone (its sockets close) and
-        they have unwound. Limits (docs/agent.md): clocks must agree to well within that gap,
-        two independent failures in one window charge only the earliest. If the store does not
-        answer, a non-host agent takes its host as lost (free); the host itself charges.
+        Decided from the agents' wall clocks at the moment each one's first failed worker exited
+        (``failed_at``): the root cause's worker dies first, the others' only fail once it is
+        gone (its sockets close) and they have unwound. Limits (docs/agent.md): clocks must
+        agree to well within that gap, two independent failures in one window charge only the
+        earliest. If the store does not answer, a non-host agent takes its host as lost (free);
+        the host itself charges.
         """
         store = group.store
         node = group.group_rank
         if store is None or node is None:
             return False, False
         try:
-            store.append(FAILURE_REPORTS_KEY, format_report(FailureReport(noticed_at, node)))
+            store.append(FAILURE_REPORTS_KEY, format_report(FailureReport(failed_at, node)))
             time.sleep(FAILURE_SETTLE_SECONDS)
             raw = store.get(FAILURE_REPORTS_KEY)
         except (RuntimeError, OSError) as exc:  # store trouble (DistError is a RuntimeError);
@@ -281,6 +293,7 @@ class DdpjobAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         ids: dict[int, Any] = super()._start_workers(worker_group)
         signals.install()  # torch's PContext.start replaced our handler with its own
+        self._exit_clock.watch(pid for pid in ids.values() if isinstance(pid, int))
         return ids
 
     def _poll_rendezvous(self) -> tuple[int, bool]:
