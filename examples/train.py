@@ -9,6 +9,7 @@ prints parseable, flushed lines that the tests and the benchmark read::
     DDPJOB sigterm rank=<r>
     DDPJOB sigterm-done rank=<r>      (only with --sigterm-delay, after the delay)
     DDPJOB crash pod=<p> step=<s>     (--crash-once-on-pod)
+    DDPJOB abort-at-exit pod=<p>      (--abort-at-exit-once-on-pod, after the done line)
     DDPJOB done steps=<n> rank=<r>
 
 ``step=<s>`` in a ``ckpt`` or ``resume`` line is the number of steps completed.
@@ -69,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="wait this long before that crash: the other ranks are then blocked in the step's "
         "collective and fail within milliseconds of it",
+    )
+    parser.add_argument(
+        "--abort-at-exit-once-on-pod",
+        type=int,
+        default=None,
+        metavar="P",
+        help="on pod P, abort (SIGABRT) after the last step and the done line, once per job: "
+        "what gloo does when a peer's socket closes during teardown",
     )
     parser.add_argument(
         "--sigterm-delay",
@@ -190,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_sleep)
     dist.barrier()
     say(f"done steps={args.steps} rank={rank}")
+    if args.abort_at_exit_once_on_pod is not None and pod == str(args.abort_at_exit_once_on_pod):
+        marker = Path(args.ckpt_dir) / f"aborted-at-exit-once-pod-{pod}"
+        if not marker.exists():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            say(f"abort-at-exit pod={pod}")
+            os.abort()
     dist.destroy_process_group()
     return 0
 

@@ -276,6 +276,43 @@ def test_a_peer_failing_milliseconds_after_the_crash_is_still_collateral(
     assert nodes[0].state().restart_count == 0
 
 
+def test_a_peer_that_fails_after_the_host_finished_does_not_hold_it_in_the_exit_barrier(
+    make_cluster: MakeCluster,
+) -> None:
+    # Pod 0's workers succeed and its agent waits in torch's exit barrier for the round's other
+    # agent. Pod 1's worker aborts after its last step (gloo's teardown abort), so its agent
+    # restarts it in a new round of its own, where it resumes at the end and succeeds. It never
+    # checks in to the old round with torch's barrier, and pod 0 waited exit_barrier_timeout
+    # (300 s) before exiting; now pod 1 checks in to the round it left, and both exit at once.
+    cluster = make_cluster(min_nodes=1, max_nodes=2, max_restarts=3)
+    args = [*train_args(12, sleep=0.05), "--abort-at-exit-once-on-pod", "1"]
+    nodes = [cluster.start(i, args) for i in range(2)]
+    assert nodes[1].wait_exit(90) == 0, cluster.logs()
+    assert "DDPJOB abort-at-exit pod=1" in nodes[1].text()
+    state = nodes[1].state()
+    assert state.last_failure is not None
+    assert state.last_failure.exit_code == -signal.SIGABRT, state
+    assert state.rdzv_round == 2, state  # a round of its own (its restart refunded: 2 -> 1 node)
+    assert nodes[1].resumes()[-1][0] == 12, "the restart resumed after the last step"
+    finish_ok(cluster, nodes, 30)
+    assert nodes[0].state().phase is Phase.SUCCEEDED
+    assert "Error waiting on exit barrier" not in cluster.logs()
+
+
+def test_a_peer_that_gives_up_after_the_host_finished_releases_it_at_once(
+    make_cluster: MakeCluster,
+) -> None:
+    # The same teardown abort with no restart left: pod 1 gives up (134: SIGABRT) and checks in
+    # to its round's exit barrier on the way out, so pod 0 exits 0 now, not in 300 s.
+    cluster = make_cluster(min_nodes=1, max_nodes=2, max_restarts=0)
+    args = [*train_args(12, sleep=0.05), "--abort-at-exit-once-on-pod", "1"]
+    nodes = [cluster.start(i, args) for i in range(2)]
+    assert nodes[1].wait_exit(90) == 128 + signal.SIGABRT, cluster.logs()
+    assert nodes[0].wait_exit(30) == 0, cluster.logs()
+    assert nodes[0].state().phase is Phase.SUCCEEDED
+    cluster.assert_clean()
+
+
 def test_when_the_faulty_pod_is_pod_0_the_others_wait_for_its_replacement(
     make_cluster: MakeCluster,
 ) -> None:

@@ -37,7 +37,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed import DistNetworkError, DistStoreError
-from torch.distributed.elastic.agent.server.api import (
+from torch.distributed.elastic.agent.server.api import (  # the exit barrier's key (wire format)
+    _TERMINAL_STATE_SYNC_ID,
     DEFAULT_ROLE,
     RunResult,
     WorkerGroup,
@@ -55,6 +56,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import (  # torch's own hostname heuristic
     _matches_machine_hostname,
+)
+from torch.distributed.elastic.utils.store import (  # the barrier's check-in, torch's own
+    _barrier_nonblocking,
 )
 from torch.distributed.launcher.api import LaunchConfig
 
@@ -129,6 +133,8 @@ class DdpjobAgent(LocalElasticAgent):
         self._restarts_disabled = False
         self._remaining_mirror = self._remaining_restarts
         self._exit_clock = ExitClock()
+        # (store, nodes) of each round we moved on from, for their exit barriers
+        self._left_rounds: list[tuple[Any, int | None]] = []
         self.gave_up = False
 
     # -- the monitor loop -------------------------------------------------------------------
@@ -174,6 +180,7 @@ class DdpjobAgent(LocalElasticAgent):
             if action is Action.FINISH:
                 self._state.update(phase=Phase.SUCCEEDED)
                 self._exit_barrier()  # type: ignore[no-untyped-call]
+                self._check_in_to_left_rounds()
                 return result
             if status is WorkerStatus.FAILED:
                 self._state.update(last_failure=_describe_failure(result))
@@ -224,6 +231,29 @@ class DdpjobAgent(LocalElasticAgent):
         group.state = WorkerState.FAILED
         self.gave_up = True
         self._state.update(phase=Phase.FAILED)
+        # Peers of this round that finished wait for us in its exit barrier: we are done too.
+        self._left_rounds.append((self._store, group.group_world_size))
+        self._check_in_to_left_rounds()
+
+    def _check_in_to_left_rounds(self) -> None:
+        """Check in, without waiting, to the exit barrier of every round we left.
+
+        torch's exit barrier is per round: an agent whose workers succeeded waits there (hosting
+        the store, if it is pod 0) for every agent of *its* round. A peer that then restarted
+        (its workers failed, say in a teardown abort after the last step) finishes in a later
+        round and never checks in to the old one, so the first agent waited the whole
+        ``exit_barrier_timeout`` (300 s) before exiting. We check in to each round we left when
+        we end (after our own round's barrier, so the store's host stays up until then), and
+        when we give up. Store trouble is only logged: the round's store may be long gone.
+        """
+        rounds, self._left_rounds = self._left_rounds, []
+        for store, nodes in rounds:
+            if store is None or not nodes:
+                continue
+            try:
+                _barrier_nonblocking(store, nodes, _TERMINAL_STATE_SYNC_ID)
+            except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
+                logger.debug("could not check in to a round we left: %s", exc)
 
     def _failed_at(self, result: RunResult, noticed_at: float) -> float:
         """When our failure started: the first failed worker's exit, timed to the millisecond
@@ -328,8 +358,11 @@ class DdpjobAgent(LocalElasticAgent):
                 recovered = True
                 self._store_lost = False
                 self._state.update(phase=Phase.RENDEZVOUS)
+            left = (self._store, worker_group.group_world_size)
             try:
                 super()._rendezvous(worker_group)
+                if self._rounds:
+                    self._left_rounds.append(left)
                 break
             except (RendezvousConnectionError, DistNetworkError) as exc:
                 if self._settings.is_host:
