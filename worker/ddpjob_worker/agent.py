@@ -361,7 +361,11 @@ class DdpjobAgent(LocalElasticAgent):
             left = (self._store, worker_group.group_world_size)
             try:
                 super()._rendezvous(worker_group)
-                if self._rounds:
+                if recovered:
+                    # The old rounds' barriers died with the old store (and whoever waited in
+                    # them with its host); their store clients could only hang or fail.
+                    self._left_rounds.clear()
+                elif self._rounds:
                     self._left_rounds.append(left)
                 break
             except (RendezvousConnectionError, DistNetworkError) as exc:
