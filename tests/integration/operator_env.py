@@ -171,6 +171,18 @@ class OperatorEnv:
         found = self.control.get_object("v1/pods", namespace, name)
         return dict(found) if found else None
 
+    def replacement(
+        self, old: dict[str, Any], what: str, timeout: float = 20.0, namespace: str = "default"
+    ) -> dict[str, Any]:
+        """Wait for a pod under ``old``'s name with another uid (its replacement), and return it."""
+        name, uid = old["metadata"]["name"], old["metadata"]["uid"]
+
+        def new() -> dict[str, Any] | None:
+            pod = self.pod(name, namespace)
+            return pod if pod is not None and pod["metadata"]["uid"] != uid else None
+
+        return wait_for(new, what, timeout=timeout)
+
     def events(self, namespace: str = "default", reason: str | None = None) -> list[dict[str, Any]]:
         events = self.control.list_objects("v1/events", namespace)
         return [e for e in events if reason is None or e.get("reason") == reason]

@@ -109,14 +109,7 @@ def test_a_failed_pod_is_replaced_and_counted_once(env: OperatorEnv) -> None:
     assert old is not None
     env.finish_pod("beta-worker-1", exit_code=1)
     wait_for(lambda: counts(env, "beta") == (1, 1), "restarts and backoffCount at 1")
-    replacement = wait_for(
-        lambda: (
-            (pod := env.pod("beta-worker-1"))
-            and pod["metadata"]["uid"] != old["metadata"]["uid"]
-            and pod
-        ),
-        "a new beta-worker-1",
-    )
+    replacement = env.replacement(old, "a new beta-worker-1")
     assert replacement["metadata"]["finalizers"] == [FINALIZER]
     [failure] = env.status("beta")["failures"]
     assert (failure["pod"], failure["reason"], failure["charged"]) == (
@@ -220,14 +213,7 @@ def test_pod0_deleted_by_a_user_comes_back_under_the_same_name(env: OperatorEnv)
     assert env.delete("/api/v1/namespaces/default/pods/theta-worker-0") == 200
     wait_for(lambda: env.status("theta").get("restarts") == 1, "the deletion counted")
     env.confirm_deletions("theta")
-    new = wait_for(
-        lambda: (
-            (pod := env.pod("theta-worker-0"))
-            and pod["metadata"]["uid"] != old["metadata"]["uid"]
-            and pod
-        ),
-        "pod 0 recreated",
-    )
+    new = env.replacement(old, "pod 0 recreated")
     assert (new["spec"]["hostname"], new["spec"]["subdomain"]) == ("theta-worker-0", "theta")
     assert env.status("theta")["failures"][0]["reason"] == "Deleted"
     assert counts(env, "theta") == (1, 0)
@@ -250,13 +236,7 @@ def test_pod0_on_a_lost_node_recovers_within_the_bound(env: OperatorEnv) -> None
     )
     assert env.delete("/api/v1/namespaces/default/pods/iota-worker-0", gracePeriodSeconds=1) == 200
     started = time.monotonic()
-    wait_for(
-        lambda: (
-            (new := env.pod("iota-worker-0")) and new["metadata"]["uid"] != pod["metadata"]["uid"]
-        ),
-        "pod 0 replaced",
-        timeout=20,
-    )
+    env.replacement(pod, "pod 0 replaced", timeout=20)
     elapsed = time.monotonic() - started
     assert elapsed < 1 + 2 + 5, f"replaced after {elapsed:.1f}s; the bound is grace 1 s + 2 s"
     status = env.status("iota")
@@ -524,13 +504,7 @@ def test_the_chart_grants_every_request_of_a_recorded_run(tmp_path: Path) -> Non
         lost = world.pod("chi-worker-2")
         assert lost is not None
         world.delete("/api/v1/namespaces/default/pods/chi-worker-2", gracePeriodSeconds=0)
-        wait_for(
-            lambda: (
-                (new := world.pod("chi-worker-2")) is not None
-                and new["metadata"]["uid"] != lost["metadata"]["uid"]
-            ),
-            "chi-worker-2 released and replaced",
-        )
+        world.replacement(lost, "chi-worker-2 released and replaced")
         for name in live(world, "chi"):
             world.finish_pod(name, exit_code=0, reason="Completed")
         wait_for(lambda: world.job("chi") is None, "the job TTL-deleted", timeout=20)
