@@ -350,6 +350,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._state.update(phase=Phase.RENDEZVOUS)
         recovered = False
         deadline: float | None = None
+        left = (self._store, worker_group.group_world_size)  # the round we are leaving, if any
         while True:
             if self._store_lost:
                 if deadline is None:
@@ -358,7 +359,6 @@ class DdpjobAgent(LocalElasticAgent):
                 recovered = True
                 self._store_lost = False
                 self._state.update(phase=Phase.RENDEZVOUS)
-            left = (self._store, worker_group.group_world_size)
             try:
                 super()._rendezvous(worker_group)
                 if recovered:
