@@ -22,7 +22,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,7 +34,8 @@ from ddpjob_worker.state import AgentState, Phase, read_state
 
 LOOPBACK = "127.0.0.1"
 _PR_SET_CHILD_SUBREAPER = 36
-_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+_VAR_REF = re.compile(r"\$\$|\$\(([^)]*)\)")
+LOCAL_TRAINER = "spec.template.spec.containers[0]"
 
 
 class LocalPodError(DDPJobError):
@@ -64,14 +65,123 @@ def reap_orphans(keep: set[int]) -> None:
                 os.waitpid(child.pid, os.WNOHANG)
 
 
-def _expand(text: str, env: Mapping[str, str]) -> str:
-    """Kubernetes' ``$(VAR)`` expansion in command, args and env values."""
-    return _VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion in command, args and env values.
+
+    ``$(NAME)`` becomes NAME's value when it is defined, and stays as written when it is not;
+    ``$$`` is an escaped ``$`` (so ``$$(NAME)`` stays ``$(NAME)``); any other ``$`` is literal.
+    """
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _VAR_REF.sub(one, text)
+
+
+EnvSource = Callable[[str, Mapping[str, Any]], "str | Mapping[str, str] | None"]
+"""Resolves what the local runner cannot: ``(kind, reference) -> value``. ``kind`` is a
+``valueFrom`` key other than ``fieldRef`` (``configMapKeyRef``, ``secretKeyRef``,
+``resourceFieldRef``: a string, or None for an optional one that is absent) or an ``envFrom``
+key (``configMapRef``, ``secretRef``: a mapping). Raises :class:`LocalPodError` when it cannot."""
+
+
+def container_env(
+    container: Mapping[str, Any],
+    *,
+    base: Mapping[str, str],
+    fields: Mapping[str, str],
+    where: str,
+    source: EnvSource | None = None,
+) -> dict[str, str]:
+    """A container's env as the kubelet resolves it: ``base`` (the image's env), then
+    ``envFrom``, then ``env`` in order, each value ``$(VAR)``-expanded against what came before.
+
+    ``fields`` maps the ``fieldRef`` paths that can be resolved (``metadata.name``,
+    ``status.podIP``, ``metadata.labels['x']``...) to their values; ``where`` is the
+    container's field path, for errors (``spec.containers[0]``).
+    """
+    env = dict(base)
+    for index, item in enumerate(container.get("envFrom") or []):
+        for kind in ("configMapRef", "secretRef"):
+            if kind in item:
+                data = _resolve(source, kind, item[kind], f"{where}.envFrom[{index}]")
+                prefix = str(item.get("prefix") or "")
+                if isinstance(data, Mapping):
+                    env.update({prefix + k: v for k, v in data.items()})
+    for index, item in enumerate(container.get("env") or []):
+        name = str(item["name"])
+        if "valueFrom" not in item:
+            env[name] = expand(str(item.get("value") or ""), env)
+            continue
+        value_from = item.get("valueFrom") or {}
+        field = (value_from.get("fieldRef") or {}).get("fieldPath")
+        if field is not None:
+            if field not in fields:
+                raise LocalPodError(
+                    f"{where}.env[{index}] ({name}): fieldRef {field!r} cannot be resolved "
+                    f"here; supported: {', '.join(sorted(fields))}"
+                )
+            env[name] = fields[field]
+            continue
+        kind = next(iter(value_from), "")
+        value = _resolve(source, kind, value_from.get(kind) or {}, f"{where}.env[{index}] ({name})")
+        if isinstance(value, str):
+            env[name] = value
+    return env
+
+
+def _resolve(
+    source: EnvSource | None, kind: str, ref: Mapping[str, Any], where: str
+) -> str | Mapping[str, str] | None:
+    if source is None:
+        raise LocalPodError(
+            f"{where}: the local runner cannot resolve {kind} {dict(ref)!r}; give it a plain "
+            "value for local runs"
+        )
+    return source(kind, ref)
+
+
+def container_argv(
+    container: Mapping[str, Any],
+    env: Mapping[str, str],
+    *,
+    where: str,
+    entrypoint: Sequence[str] | None = None,
+    cmd: Sequence[str] = (),
+) -> list[str]:
+    """The command the runtime would run, with ``argv[0]`` resolved on the env's PATH.
+
+    As Kubernetes: ``command`` replaces the image's ``entrypoint`` and ``args`` its ``cmd``
+    (a ``command`` without ``args`` drops the image's ``cmd``). ``entrypoint`` None means the
+    image is unknown (the local runner): then ``command`` is required.
+    """
+    command = list(container.get("command") or [])
+    args = container.get("args")
+    if command:
+        argv = command + list(args or [])
+    elif entrypoint is not None:
+        argv = [*entrypoint, *(args if args is not None else cmd)]
+    else:
+        raise LocalPodError(
+            f"{where}.command: the local runner needs an explicit command (an image's "
+            "entrypoint is unknown here), e.g. command: [ddpjob-agent]"
+        )
+    if not argv:
+        raise LocalPodError(f"{where}: no command: neither the container nor its image has one")
+    argv = [expand(str(part), env) for part in argv]
+    found = shutil.which(argv[0], path=env.get("PATH"))
+    if found is None:
+        raise LocalPodError(
+            f"{where}.command: {argv[0]!r} is not a command on this machine "
+            f"(PATH={env.get('PATH', '')}); install it or fix the command"
+        )
+    return [found, *argv[1:]]
 
 
 def pod_env(pod: Mapping[str, Any], base: Mapping[str, str]) -> dict[str, str]:
-    """The trainer container's env as the kubelet would resolve it, with the pod on 127.0.0.1."""
-    container = pod["spec"]["containers"][0]
+    """The trainer container's env for the local runner, with the pod on 127.0.0.1."""
     meta = pod["metadata"]
     fields = {
         "status.podIP": LOOPBACK,
@@ -79,40 +189,13 @@ def pod_env(pod: Mapping[str, Any], base: Mapping[str, str]) -> dict[str, str]:
         "metadata.namespace": meta.get("namespace", "default"),
         "spec.nodeName": "localhost",
     }
-    env = dict(base)
-    for index, item in enumerate(container.get("env") or []):
-        name = item["name"]
-        if "value" in item:
-            env[name] = _expand(str(item["value"]), env)
-            continue
-        ref = ((item.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
-        if ref in fields:
-            env[name] = fields[ref]
-            continue
-        raise LocalPodError(
-            f"spec.template.spec.containers[0].env[{index}] ({name}): the local runner cannot "
-            f"resolve {item.get('valueFrom')!r}; give it a plain value for local runs"
-        )
-    return env
+    container = pod["spec"]["containers"][0]
+    return container_env(container, base=base, fields=fields, where=LOCAL_TRAINER)
 
 
 def pod_argv(pod: Mapping[str, Any], env: Mapping[str, str]) -> list[str]:
-    """The command the kubelet would run, with ``command[0]`` resolved on PATH."""
-    container = pod["spec"]["containers"][0]
-    command = list(container.get("command") or [])
-    if not command:
-        raise LocalPodError(
-            "spec.template.spec.containers[0].command: the local runner needs an explicit "
-            "command (an image's entrypoint is unknown here), e.g. command: [ddpjob-agent]"
-        )
-    argv = [_expand(part, env) for part in command + list(container.get("args") or [])]
-    found = shutil.which(argv[0], path=env.get("PATH"))
-    if found is None:
-        raise LocalPodError(
-            f"spec.template.spec.containers[0].command: {argv[0]!r} is not a command on this "
-            f"machine (PATH={env.get('PATH', '')}); install it or fix the command"
-        )
-    return [found, *argv[1:]]
+    """The trainer's command for the local runner (which knows no image entrypoints)."""
+    return container_argv(pod["spec"]["containers"][0], env, where=LOCAL_TRAINER)
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -131,27 +214,28 @@ def signal_all(processes: Iterable[psutil.Process], sig: signal.Signals) -> None
 
 
 @dataclasses.dataclass
-class LocalPod:
-    """One running (or finished) pod: its process, log and what we know of its agent."""
+class ContainerProcess:
+    """One container as a process tree: its root process, every descendant, its log.
 
-    name: str
-    index: int
-    uid: str
+    This is the process layer that ``ddpjob run`` (one per local pod) and the test suite's
+    process kubelet (one per container) share. Stopping follows a container runtime: SIGTERM to
+    the root, SIGKILL to the whole tree once the grace period is over; when the root exits on
+    its own, what is left of its tree is killed at once. The exit code is a runtime's: a death
+    by signal N reads as 128 + N.
+    """
+
     process: subprocess.Popen[bytes]
-    log_path: Path
-    state_file: Path
-    grace_seconds: float
-    started_at: float
     log: IO[bytes]
-    deleting_since: float | None = None
-    deletion_timestamp: dt.datetime | None = None
-    """As Kubernetes writes it: when the grace period of the deletion ends (wall clock)."""
-    tracked: bool = True
-    """The pod-tracking finalizer: the runner forgets a deleted pod only once it is removed."""
-    disruption: str | None = None
+    log_path: Path
+    started_at: float
+    """``time.monotonic()`` at the start."""
+    stopping_since: float | None = None
+    grace_seconds: float = 0.0
     descendants: list[psutil.Process] = dataclasses.field(default_factory=list)
-    agent_state: AgentState | None = None
-    """The agent's state file as of the last :meth:`refresh_state` (None: none readable yet)."""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     @property
     def exit_code(self) -> int | None:
@@ -159,6 +243,113 @@ class LocalPod:
         if code is None:
             return None
         return 128 - code if code < 0 else code  # -9 -> 137, as a container runtime reports it
+
+    def _tree(self) -> list[psutil.Process]:
+        # Once reaped, the root's pid may belong to anyone (even another pod): not ours to walk.
+        return [] if self.process.returncode is not None else tree(self.process.pid)
+
+    def remember_descendants(self) -> None:
+        """Keep the tree's members, so they can be killed even after the root is gone."""
+        known = {p.pid for p in self.descendants}
+        self.descendants += [p for p in self._tree()[1:] if p.pid not in known]
+
+    def all_processes(self) -> list[psutil.Process]:
+        alive = []
+        for process in [*self._tree(), *self.descendants]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+        return alive
+
+    def stop(self, now: float, grace_seconds: float) -> None:
+        """SIGTERM the root once (it forwards it, as the agent does); SIGKILL after grace."""
+        if self.stopping_since is None:
+            self.stopping_since = now
+            self.grace_seconds = grace_seconds
+            self.process.send_signal(signal.SIGTERM)  # a no-op once reaped: never a reused pid
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree at once."""
+        self.remember_descendants()
+        signal_all(self.all_processes(), signal.SIGKILL)
+
+    def reap(self, now: float) -> bool:
+        """Enforce the grace period; True when the whole tree is gone."""
+        self.remember_descendants()
+        if self.stopping_since is not None and now - self.stopping_since > self.grace_seconds:
+            self.kill()
+        if self.exit_code is not None:
+            leftovers = self.all_processes()
+            if leftovers and self.stopping_since is None:
+                signal_all(leftovers, signal.SIGKILL)  # the root exited: its tree goes with it
+            return not leftovers
+        return False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.log.close()
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path | str,
+    log_path: Path,
+    wrapper: Sequence[str] = (),
+) -> ContainerProcess:
+    """Start ``argv`` in a session of its own, stdout and stderr appended to ``log_path``.
+
+    ``wrapper`` goes in front (the process kubelet's namespace set-up, which ends in an
+    ``exec`` of ``argv``, so the root process is the container's own).
+    """
+    log = log_path.open("ab")
+    try:
+        process = subprocess.Popen(
+            [*wrapper, *argv], env=dict(env), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    except OSError:
+        log.close()
+        raise
+    return ContainerProcess(
+        process=process, log=log, log_path=log_path, started_at=time.monotonic()
+    )
+
+
+@dataclasses.dataclass
+class LocalPod:
+    """One pod of ``ddpjob run``: its trainer's process tree and what we know of its agent."""
+
+    name: str
+    index: int
+    uid: str
+    container: ContainerProcess
+    state_file: Path
+    grace_seconds: float
+    deletion_timestamp: dt.datetime | None = None
+    """As Kubernetes writes it: when the grace period of the deletion ends (wall clock)."""
+    tracked: bool = True
+    """The pod-tracking finalizer: the runner forgets a deleted pod only once it is removed."""
+    disruption: str | None = None
+    agent_state: AgentState | None = None
+    """The agent's state file as of the last :meth:`refresh_state` (None: none readable yet)."""
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self.container.process
+
+    @property
+    def log_path(self) -> Path:
+        return self.container.log_path
+
+    @property
+    def deleting_since(self) -> float | None:
+        return self.container.stopping_since
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.container.exit_code
 
     def refresh_state(self) -> None:
         """Read the agent's state file; once per tick, everyone else uses ``agent_state``."""
@@ -192,52 +383,27 @@ class LocalPod:
             world_size=state.world_size if state is not None and running else None,
         )
 
-    def _tree(self) -> list[psutil.Process]:
-        # Once reaped, the root's pid may belong to anyone (even another pod): not ours to walk.
-        return [] if self.process.returncode is not None else tree(self.process.pid)
-
-    def remember_descendants(self) -> None:
-        """Keep the tree's members, so they can be killed even after the root is gone."""
-        known = {p.pid for p in self.descendants}
-        self.descendants += [p for p in self._tree()[1:] if p.pid not in known]
-
     def all_processes(self) -> list[psutil.Process]:
-        alive = []
-        for process in [*self._tree(), *self.descendants]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(process)
-        return alive
+        return self.container.all_processes()
 
     def terminate(self, now: float) -> None:
         """Graceful delete: SIGTERM the trainer (the agent forwards it), SIGKILL after grace."""
         if self.deleting_since is None:
-            self.deleting_since = now
             self.deletion_timestamp = dt.datetime.now(dt.UTC) + dt.timedelta(
                 seconds=self.grace_seconds
             )
-            self.process.send_signal(signal.SIGTERM)  # a no-op once reaped: never a reused pid
+        self.container.stop(now, self.grace_seconds)
 
     def kill(self) -> None:
         """SIGKILL the whole tree at once (chaos, second Ctrl-C, grace expired)."""
-        self.remember_descendants()
-        signal_all(self.all_processes(), signal.SIGKILL)
+        self.container.kill()
 
     def reap(self, now: float) -> bool:
         """Enforce the grace period; True when the whole tree is gone."""
-        self.remember_descendants()
-        if self.deleting_since is not None and now - self.deleting_since > self.grace_seconds:
-            self.kill()
-        if self.exit_code is not None:
-            leftovers = self.all_processes()
-            if leftovers and self.deleting_since is None:
-                signal_all(leftovers, signal.SIGKILL)  # the root exited: its tree goes with it
-            return not leftovers
-        return False
+        return self.container.reap(now)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.log.close()
+        self.container.close()
 
 
 def start_pod(
@@ -253,23 +419,15 @@ def start_pod(
     env = pod_env(pod, base_env)
     argv = pod_argv(pod, env)
     name = pod["metadata"]["name"]
-    log_path = log_dir / f"{name}.{attempt}.log"
-    log = log_path.open("ab")
     state_file = Path(env.get("DDPJOB_STATE_FILE", log_dir / f"{name}.state.json"))
     with contextlib.suppress(FileNotFoundError):
         state_file.unlink()  # never read a previous incarnation's state
-    process = subprocess.Popen(
-        argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+    container = spawn(argv, env=env, cwd=cwd, log_path=log_dir / f"{name}.{attempt}.log")
     return LocalPod(
         name=name,
         index=index,
         uid=str(uuid.uuid4()),
-        process=process,
-        log_path=log_path,
+        container=container,
         state_file=state_file,
-        grace_seconds=grace,
-        started_at=time.monotonic(),
-        log=log,
+        grace_seconds=float(pod["spec"].get("terminationGracePeriodSeconds", 30)),
     )
