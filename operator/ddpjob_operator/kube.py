@@ -92,10 +92,10 @@ def _credentials(config: kubernetes.client.Configuration) -> Credentials:
             context.verify_mode = ssl.CERT_NONE
 
     def token() -> str | None:
-        hook = config.refresh_api_key_hook
-        if hook is not None:
-            hook(config)  # in-cluster token rotation, exec plugins
-        value: str | None = config.get_api_key_with_prefix("authorization")
+        # The lookup runs the refresh hook first (in-cluster token rotation, exec plugins).
+        # kubernetes >= 36 keeps the token under "BearerToken"; older clients under
+        # "authorization". Asking for only the old key sent no token at all with a new client.
+        value: str | None = config.get_api_key_with_prefix("BearerToken", alias="authorization")
         if value is None and config.username:
             value = config.get_basic_auth_token()
         return value
