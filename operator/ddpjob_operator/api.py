@@ -25,6 +25,7 @@ Lifecycle of a job (``status.phase``)::
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import enum
 import re
 from collections.abc import Mapping
@@ -156,16 +157,91 @@ class Rendezvous(_Model):
     ] = 5
 
 
-_ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# ---- the core/v1 objects of the template ------------------------------------------------------
+#
+# The CRD keeps every core/v1 field of the template (x-kubernetes-preserve-unknown-fields), but
+# the API server's CEL sees only the fields the schema declares: two objects that differ only
+# in undeclared keys, one on each side (nodeSelector dropped, affinity added), compare equal, so
+# the transition rule that keeps the template fixed while the job runs would let such a change
+# through. Every core/v1 field name is therefore declared, the ones ddpjob does not model as
+# opaque values (no type: compared whole), and the rule compares both ways. tests/unit/test_crd.py
+# checks these lists against the newest Kubernetes schema.
+
+POD_SPEC_FIELDS = (
+    "activeDeadlineSeconds", "affinity", "automountServiceAccountToken", "containers",
+    "dnsConfig", "dnsPolicy", "enableServiceLinks", "ephemeralContainers", "evictionResponders",
+    "hostAliases", "hostIPC", "hostNetwork", "hostPID", "hostUsers", "hostname",
+    "hostnameOverride", "imagePullSecrets", "initContainers", "nodeName", "nodeSelector", "os",
+    "overhead", "preemptionPolicy", "priority", "priorityClassName", "readinessGates",
+    "resourceClaims", "resources", "restartPolicy", "runtimeClassName", "schedulerName",
+    "schedulingGates", "schedulingGroup", "securityContext", "serviceAccount",
+    "serviceAccountName", "setHostnameAsFQDN", "shareProcessNamespace", "subdomain",
+    "terminationGracePeriodSeconds", "tolerations", "topologySpreadConstraints", "volumes",
+)  # fmt: skip
+"""core/v1 PodSpec's fields (Kubernetes 1.37)."""
+
+CONTAINER_FIELDS = (
+    "args", "command", "env", "envFrom", "image", "imagePullPolicy", "lifecycle",
+    "livenessProbe", "name", "ports", "readinessProbe", "resizePolicy", "resources",
+    "restartPolicy", "restartPolicyRules", "securityContext", "startupProbe", "stdin",
+    "stdinOnce", "terminationMessagePath", "terminationMessagePolicy", "tty", "volumeDevices",
+    "volumeMounts", "workingDir",
+)  # fmt: skip
+"""core/v1 Container's fields (Kubernetes 1.37)."""
+
+ENV_VAR_FIELDS = ("name", "value", "valueFrom")
+"""core/v1 EnvVar's fields (Kubernetes 1.37)."""
+
+
+def _declare(fields: tuple[str, ...], what: str) -> Any:
+    """``json_schema_extra`` for an open model: declare the core/v1 fields it does not model."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["x-kubernetes-preserve-unknown-fields"] = True
+        properties = schema.setdefault("properties", {})
+        for name in fields:
+            properties.setdefault(
+                name, {"description": f"core/v1 {what}.{name}, passed to the pods as it is."}
+            )
+            properties[name].setdefault("x-kubernetes-preserve-unknown-fields", True)
+
+    return extra
+
+
+ENV_NAME_PATTERN = r"^[ -<>-~]+$"
+"""What the API server accepts as an env var name since Kubernetes 1.32 (beta, on by default;
+GA in 1.34): printable ASCII except ``=``. An older cluster refuses more when it creates the
+pod, and says so in an ActionFailed event."""
+
+_NUMBER = r"([0-9]+(\.[0-9]*)?|\.[0-9]+)"
+QUANTITY_PATTERN = rf"^\+?{_NUMBER}([KMGTPE]i|[numkMGTPE]|[eE][+-]?{_NUMBER})?$"
+"""A non-negative Kubernetes quantity, as the API server parses one (``resource.Quantity``):
+``8Gi``, ``512Mi``, ``1e9``, ``1.5G``, ``.5Gi``."""
+
+
+def _env_name(value: str) -> str:
+    if not re.match(ENV_NAME_PATTERN, value):
+        raise ValueError(
+            f"env var name {value!r} must be printable ASCII characters other than '=': rename it"
+        )
+    return value
 
 
 class EnvVar(_OpenModel):
-    name: Annotated[str, Field(min_length=1, pattern=_ENV_NAME_PATTERN)]
+    model_config = ConfigDict(json_schema_extra=_declare(ENV_VAR_FIELDS, "EnvVar"))
+
+    name: Annotated[
+        str,
+        pydantic.AfterValidator(_env_name),
+        Field(min_length=1, json_schema_extra={"pattern": ENV_NAME_PATTERN}),
+    ]
     value: str | None = None
 
 
 class Container(_OpenModel):
     """A core/v1 Container. Only the fields ddpjob reads are checked; the rest is kept."""
+
+    model_config = ConfigDict(json_schema_extra=_declare(CONTAINER_FIELDS, "Container"))
 
     name: Annotated[
         str,
@@ -179,6 +255,8 @@ class Container(_OpenModel):
 
 class PodSpec(_OpenModel):
     """A core/v1 PodSpec. The first container is the trainer."""
+
+    model_config = ConfigDict(json_schema_extra=_declare(POD_SPEC_FIELDS, "PodSpec"))
 
     containers: Annotated[
         list[Container],
@@ -206,6 +284,7 @@ IMMUTABLE_WHILE_RUNNING = (
     "nprocPerNode",
     "rendezvous",
     "maxRestarts",
+    "nodeLostTolerationSeconds",
     "template",
 )
 """Spec fields baked into the pods: fixed unless the job is suspended (or being suspended)."""
@@ -213,9 +292,12 @@ IMMUTABLE_WHILE_RUNNING = (
 
 def _immutable_rule(field: str) -> pydantic.JsonValue:
     suspended = "(has(self.suspend) && self.suspend) || (has(oldSelf.suspend) && oldSelf.suspend)"
+    # Both ways: the API server's equality of objects skips a key the receiver has and the
+    # other side lacks when the schema does not declare it (see POD_SPEC_FIELDS).
     same = (
         f"has(self.{field}) == has(oldSelf.{field}) && "
-        f"(!has(self.{field}) || self.{field} == oldSelf.{field})"
+        f"(!has(self.{field}) || (self.{field} == oldSelf.{field} && "
+        f"oldSelf.{field} == self.{field}))"
     )
     return {
         "rule": f"{suspended} || ({same})",
@@ -226,6 +308,20 @@ def _immutable_rule(field: str) -> pydantic.JsonValue:
         ),
         "fieldPath": f".{field}",
     }
+
+
+def _shm_size(value: int | str | None) -> int | str | None:
+    if value is None:
+        return None
+    match = re.match(QUANTITY_PATTERN, str(value))
+    if match is None:
+        raise ValueError(
+            "must be a Kubernetes quantity such as 16Gi, 512Mi or 1e9: use a suffix "
+            "Ki/Mi/Gi/Ti or k/M/G/T with no space, or drop shmSize for the default"
+        )
+    if decimal.Decimal(match.group(1)) == 0:
+        raise ValueError("must be more than 0: drop shmSize for the default")
+    return value
 
 
 class DDPJobSpec(_Model):
@@ -327,14 +423,26 @@ class DDPJobSpec(_Model):
             ),
         ),
     ] = 30
-    shm_size: Annotated[
-        str | None,
+    node_lost_toleration_seconds: Annotated[
+        int,
         Field(
-            pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$",
+            ge=0,
             description=(
-                "Size of the memory-backed /dev/shm. Defaults to half the trainer's memory "
-                "limit (or request), else 1Gi."
+                "How long pods stay bound to a node that is not ready or unreachable before they "
+                "are evicted and replaced (a NoExecute toleration on every pod; the cluster's "
+                "default is 300). A toleration of the template for those taints wins."
             ),
+        ),
+    ] = 30
+    shm_size: Annotated[
+        pydantic.StrictInt | str | None,
+        pydantic.AfterValidator(_shm_size),
+        Field(
+            description=(
+                "Size of the memory-backed /dev/shm (a Kubernetes quantity: 16Gi, 512Mi, 1e9). "
+                "Defaults to half the trainer's memory limit (or request), else 1Gi."
+            ),
+            json_schema_extra={"pattern": QUANTITY_PATTERN},
         ),
     ] = None
     template: PodTemplate

@@ -14,7 +14,11 @@ What every pod gets unless the user set it already:
 * a security context that images running as root tolerate (``spec.securityProfile``:
   ``Baseline`` by default, ``Restricted`` on request; see ``api.SecurityProfile``);
 * the pod-tracking finalizer, removed once the pod's outcome is counted;
-* ``restartPolicy: Never``: the agent restarts workers in place, the operator replaces pods.
+* ``restartPolicy: Never``: the agent restarts workers in place, the operator replaces pods;
+* NoExecute tolerations of ``spec.nodeLostTolerationSeconds`` for a not-ready or unreachable
+  node (instead of the cluster's 300 s), so a lost node's pods are evicted and replaced soon;
+* ``dnsPolicy: ClusterFirstWithHostNet`` with ``hostNetwork: true``, so pod 0's name resolves;
+* when the trainer runs ``ddpjob-agent``, a readiness probe through ``ddpjob-agent --probe``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def parse_quantity(value: object) -> decimal.Decimal:
     return parsed
 
 
+AGENT = "ddpjob-agent"
 CONTAINER_PORT_NAME = "rdzv"
 SHM_VOLUME = "dshm"
 STATE_VOLUME = "ddpjob-run"
@@ -212,7 +217,7 @@ def nproc_per_node(spec: api.DDPJobSpec) -> int:
 def shm_size(spec: api.DDPJobSpec) -> str:
     """``spec.shmSize``, else half the trainer's memory limit (or request), else 1Gi."""
     if spec.shm_size is not None:
-        return spec.shm_size
+        return str(spec.shm_size)
     resources = spec.trainer.model_dump(by_alias=True).get("resources") or {}
     for section in ("limits", "requests"):
         memory = (resources.get(section) or {}).get("memory")
@@ -289,13 +294,56 @@ def _trainer(container: JSON, job: api.DDPJob, index: int, network: Network) -> 
         )
     out["ports"] = ports
     command = out.get("command") or []
-    if "readinessProbe" not in out and command[:1] == ["ddpjob-agent"]:
-        out["readinessProbe"] = {
-            "exec": {"command": ["python", "-m", "ddpjob_worker.probe"]},
-            "periodSeconds": 5,
-            "failureThreshold": 1,
-        }
+    if "readinessProbe" not in out and command[:1] == [AGENT]:
+        out["readinessProbe"] = readiness_probe()
     return out
+
+
+def readiness_probe() -> JSON:
+    """Ready while the agent's workers run: the agent's own entry point checks its state file.
+
+    ``ddpjob-agent --probe`` runs where the trainer's command runs (an image need not have a
+    ``python`` on PATH), never imports torch, and is given 5 s (a Python start on a busy node
+    takes more than the 1 s default) and three misses before the pod reads as not ready.
+    """
+    return {
+        "exec": {"command": [AGENT, "--probe"]},
+        "periodSeconds": 5,
+        "timeoutSeconds": 5,
+        "failureThreshold": 3,
+    }
+
+
+NODE_LOST_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+"""The NoExecute taints the node lifecycle controller puts on a node that stops reporting."""
+
+
+def _tolerates(toleration: Mapping[str, Any], key: str) -> bool:
+    """The toleration covers ``key``'s NoExecute taint (the DefaultTolerationSeconds rule: an
+    empty key is every key, an empty effect every effect)."""
+    return toleration.get("key", "") in ("", key) and toleration.get("effect", "") in (
+        "",
+        "NoExecute",
+    )
+
+
+def _tolerations(user: list[JSON], spec: api.DDPJobSpec) -> list[JSON]:
+    """The template's tolerations, plus short ones for a lost node unless it has its own.
+
+    Without them the DefaultTolerationSeconds admission plugin gives every pod 300 s, so the
+    pods of a lost node stay Running for five minutes before the taint manager evicts them.
+    """
+    ours = [
+        {
+            "key": key,
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": spec.node_lost_toleration_seconds,
+        }
+        for key in NODE_LOST_TAINTS
+        if not any(_tolerates(t, key) for t in user)
+    ]
+    return [*user, *ours]
 
 
 def security_profile(
@@ -305,10 +353,22 @@ def security_profile(
     return spec.security_profile or default
 
 
+def escalates_anyway(security: Mapping[str, Any]) -> bool:
+    """A privileged container, or one that adds SYS_ADMIN, can always gain privileges.
+
+    The API server refuses ``allowPrivilegeEscalation: false`` next to ``privileged: true`` or
+    ``capabilities.add: [CAP_SYS_ADMIN]`` (422, ``ValidateSecurityContext``); spelled
+    ``SYS_ADMIN`` it is accepted but means nothing. Either way the default is not ours to add.
+    """
+    added = (security.get("capabilities") or {}).get("add") or []
+    return security.get("privileged") is True or bool({"SYS_ADMIN", "CAP_SYS_ADMIN"} & set(added))
+
+
 def _secure_container(container: JSON, profile: api.SecurityProfile) -> JSON:
     out = dict(container)
     security = dict(out.get("securityContext") or {})
-    security.setdefault("allowPrivilegeEscalation", False)
+    if not escalates_anyway(security):
+        security.setdefault("allowPrivilegeEscalation", False)
     if profile is api.SecurityProfile.RESTRICTED:
         security.setdefault("capabilities", {"drop": ["ALL"]})
         security.setdefault("runAsNonRoot", True)
@@ -356,6 +416,11 @@ def build_pod(
     spec["hostname"] = pod_name(job.name, index)
     spec["subdomain"] = service_name(job.name)
     spec.setdefault("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
+    if spec.get("hostNetwork") is True:
+        # With the host's network a pod gets the node's resolv.conf unless told otherwise, and
+        # pod 0's name <job>-worker-0.<job>.<ns>.svc would never resolve.
+        spec.setdefault("dnsPolicy", "ClusterFirstWithHostNet")
+    spec["tolerations"] = _tolerations(spec.get("tolerations") or [], job.spec)
     _secure_pod(spec, security_profile(job.spec, default_profile))
     meta = _metadata(job, pod_name(job.name, index), index, template.metadata.labels or {})
     meta["finalizers"] = [api.POD_FINALIZER]

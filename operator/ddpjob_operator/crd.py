@@ -167,7 +167,9 @@ def custom_resource_definition() -> JSON:
                 "plural": api.PLURAL,
                 "singular": api.SINGULAR,
                 "shortNames": [api.SHORT_NAME],
-                "categories": ["all", "ddpjob"],
+                # Not in "all": `kubectl delete all --all` must not delete training jobs (their
+                # pods, which it deletes too, are replaced; a deleted job is gone).
+                "categories": ["ddpjob"],
             },
             "versions": [
                 {

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -202,3 +206,148 @@ def test_built_objects_pass_strict_kubernetes_validation(version: str) -> None:
     restricted = job(template=template, securityProfile="Restricted")
     kubernetes_validate.validate(builders.build_pod(restricted, 0), version, strict=True)
     kubernetes_validate.validate(builders.build_network_policy(job()), version, strict=True)
+
+
+# ---- issue 14: what a real cluster needs of a pod ------------------------------------------------
+
+UNREACHABLE = "node.kubernetes.io/unreachable"
+NOT_READY = "node.kubernetes.io/not-ready"
+
+
+def _lost_node(key: str, seconds: int) -> dict[str, Any]:
+    return {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+
+
+@pytest.mark.parametrize(
+    ("template_tolerations", "spec", "expected"),
+    [
+        # Default: 30 s instead of the 300 s DefaultTolerationSeconds would add.
+        ([], {}, [_lost_node(NOT_READY, 30), _lost_node(UNREACHABLE, 30)]),
+        (
+            [],
+            {"nodeLostTolerationSeconds": 0},
+            [_lost_node(NOT_READY, 0), _lost_node(UNREACHABLE, 0)],
+        ),
+        # The template's own toleration for a key wins; the other key still gets ours.
+        (
+            [_lost_node(UNREACHABLE, 600)],
+            {},
+            [_lost_node(UNREACHABLE, 600), _lost_node(NOT_READY, 30)],
+        ),
+        # A toleration without effect covers NoExecute too.
+        (
+            [{"key": NOT_READY, "operator": "Exists"}],
+            {},
+            [{"key": NOT_READY, "operator": "Exists"}, _lost_node(UNREACHABLE, 30)],
+        ),
+        # Tolerate everything forever: nothing of ours may shorten that.
+        ([{"operator": "Exists"}], {}, [{"operator": "Exists"}]),
+        # Another effect of the same key does not cover the NoExecute taint.
+        (
+            [{"key": UNREACHABLE, "operator": "Exists", "effect": "NoSchedule"}],
+            {},
+            [
+                {"key": UNREACHABLE, "operator": "Exists", "effect": "NoSchedule"},
+                _lost_node(NOT_READY, 30),
+                _lost_node(UNREACHABLE, 30),
+            ],
+        ),
+        # Unrelated tolerations are kept as they are.
+        (
+            [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            {"nodeLostTolerationSeconds": 10},
+            [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                _lost_node(NOT_READY, 10),
+                _lost_node(UNREACHABLE, 10),
+            ],
+        ),
+    ],
+)
+def test_pods_tolerate_a_lost_node_briefly(
+    template_tolerations: list[dict[str, Any]], spec: dict[str, Any], expected: list[Any]
+) -> None:
+    template = {
+        "spec": {"tolerations": template_tolerations, "containers": [{"name": "t", "image": "x"}]}
+    }
+    pod = builders.build_pod(job(template=template, **spec), 0)
+    assert pod["spec"]["tolerations"] == expected
+
+
+@pytest.mark.parametrize(
+    ("pod_spec", "dns_policy"),
+    [
+        ({}, None),
+        ({"hostNetwork": False}, None),
+        ({"hostNetwork": True}, "ClusterFirstWithHostNet"),
+        ({"hostNetwork": True, "dnsPolicy": "Default"}, "Default"),  # the user's wins
+    ],
+)
+def test_host_network_pods_still_resolve_cluster_names(
+    pod_spec: dict[str, Any], dns_policy: str | None
+) -> None:
+    template = {"spec": {**pod_spec, "containers": [{"name": "t", "image": "x"}]}}
+    assert builders.build_pod(job(template=template), 0)["spec"].get("dnsPolicy") == dns_policy
+
+
+@pytest.mark.parametrize("profile", ["Baseline", "Restricted"])
+@pytest.mark.parametrize(
+    ("security", "escalation"),
+    [
+        ({}, False),
+        ({"capabilities": {"add": ["NET_ADMIN"]}}, False),
+        # The API server refuses allowPrivilegeEscalation: false beside these (422).
+        ({"privileged": True}, None),
+        ({"capabilities": {"add": ["CAP_SYS_ADMIN"]}}, None),
+        ({"capabilities": {"add": ["SYS_ADMIN"]}}, None),
+        ({"privileged": True, "allowPrivilegeEscalation": True}, True),  # the user's wins
+    ],
+)
+def test_no_escalation_default_beside_privileged_or_sys_admin(
+    profile: str, security: dict[str, Any], escalation: bool | None
+) -> None:
+    trainer = {"name": "t", "image": "x", "securityContext": security}
+    init = {"name": "init", "image": "x", "securityContext": security}
+    template = {"spec": {"containers": [trainer], "initContainers": [init]}}
+    pod = builders.build_pod(job(template=template, securityProfile=profile), 0)
+    containers = pod["spec"]["containers"][:1]
+    if profile == "Restricted":
+        containers += pod["spec"]["initContainers"]
+    for container in containers:
+        assert container["securityContext"].get("allowPrivilegeEscalation") == escalation
+
+
+def test_readiness_probe_runs_the_agent_itself_with_slack() -> None:
+    trainer = builders.build_pod(job(), 0)["spec"]["containers"][0]
+    assert trainer["readinessProbe"] == {
+        "exec": {"command": ["ddpjob-agent", "--probe"]},
+        "periodSeconds": 5,
+        "timeoutSeconds": 5,
+        "failureThreshold": 3,
+    }
+    torchrun = {"name": "t", "image": "x", "command": ["torchrun"]}
+    plain = builders.build_pod(job(template={"spec": {"containers": [torchrun]}}), 0)
+    assert "readinessProbe" not in plain["spec"]["containers"][0]
+
+
+def test_the_probe_command_works_as_the_kubelet_runs_it(tmp_path: Path) -> None:
+    """The probe exec'd as built, by PATH lookup, with the container's env (its state file)."""
+    from ddpjob_worker.state import Phase, StateWriter  # noqa: PLC0415
+
+    command = builders.readiness_probe()["exec"]["command"]
+    state_file = tmp_path / "state.json"
+    env = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "DDPJOB_STATE_FILE": str(state_file),
+    }
+
+    def probe() -> int:
+        result = subprocess.run(command, env=env, capture_output=True, timeout=60, check=False)
+        return result.returncode
+
+    assert probe() == 3  # no state yet: not ready
+    writer = StateWriter(str(state_file))
+    writer.update(phase=Phase.RENDEZVOUS)
+    assert probe() == 1
+    writer.update(phase=Phase.RUNNING)
+    assert probe() == 0

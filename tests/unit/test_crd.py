@@ -10,6 +10,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from celpy import celtypes
 from hypothesis import given, settings
 
 from ddpjob_operator import api, crd
@@ -228,6 +229,7 @@ def _update(old_spec: dict[str, Any], **changes: Any) -> list[str]:
         ("nprocPerNode", 2),
         ("rendezvous", {"port": 29500}),
         ("maxRestarts", 9),
+        ("nodeLostTolerationSeconds", 300),
         ("template", {"spec": {"containers": [{"name": "trainer", "image": "other:2"}]}}),
     ],
 )
@@ -254,3 +256,210 @@ def test_adding_an_optional_field_counts_as_a_change() -> None:
     old["spec"]["minReplicas"] = 1
     new = manifest(replicas=1, minReplicas=1, maxReplicas=3)
     assert len(cel_violations(schema(), new, old)) == 1
+
+
+# ---- the API server's CEL equality, which hides undeclared keys (issue 14 point 16) -----------
+
+
+class _K8sObject(celtypes.MapType):
+    """A CEL object value as the API server builds one from a schema node with ``properties``
+    (apiserver ``cel/common/values.go``): ``==`` compares the declared keys; a key the schema
+    does not declare is compared only when both sides have it (skipped when the other side
+    lacks it), after a size check over every key."""
+
+    schema: dict[str, Any]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, dict) or len(self) != len(other):
+            return False
+        declared = self.schema.get("properties", {})
+        for key, value in self.items():
+            if key in declared:
+                if key not in other or not value == other[key]:
+                    return False
+            elif key in other and _raw(value) != _raw(other[key]):
+                return False
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Opaque:
+    """A value under an untyped preserve-unknown-fields node: compared whole (DeepEqual)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Opaque) and self.value == other.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _raw(value: Any) -> Any:
+    if isinstance(value, _Opaque):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _raw(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_raw(v) for v in value]
+    return value
+
+
+def _to_cel(value: Any, node: dict[str, Any]) -> Any:
+    """JSON as the API server hands it to CEL for this schema node (objects with properties as
+    _K8sObject, untyped preserved values as _Opaque, the rest as cel-python builds it)."""
+    from celpy.adapter import json_to_cel  # noqa: PLC0415
+
+    if "type" not in node and node.get("x-kubernetes-preserve-unknown-fields"):
+        return _Opaque(value)
+    if isinstance(value, dict) and "properties" in node:
+        out = _K8sObject()
+        out.schema = node
+        for key, item in value.items():
+            child = node["properties"].get(key)
+            converted = _to_cel(item, child) if child is not None else _Opaque(item)
+            out[celtypes.StringType(key)] = converted  # type: ignore[assignment]
+        return out
+    if isinstance(value, list) and isinstance(node.get("items"), dict):
+        return celtypes.ListType([_to_cel(item, node["items"]) for item in value])
+    return json_to_cel(value)
+
+
+def api_server_allows(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """The spec's transition rules, evaluated on values shaped as the API server shapes them."""
+    import celpy  # noqa: PLC0415
+
+    spec_schema = schema()["properties"]["spec"]
+    env = celpy.Environment()
+    activation = {
+        "self": _to_cel(new["spec"], spec_schema),
+        "oldSelf": _to_cel(old["spec"], spec_schema),
+    }
+    for rule in spec_schema["x-kubernetes-validations"]:
+        if "oldSelf" in rule["rule"]:
+            program = env.program(env.compile(rule["rule"]))
+            if not program.evaluate(activation):
+                return False
+    return True
+
+
+def _template(**pod: Any) -> dict[str, Any]:
+    trainer = {"name": "trainer", "image": "example/train:1", **pod.pop("trainer", {})}
+    return {"spec": {"containers": [trainer], **pod}}
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # One undeclared key dropped, another added: the sizes match.
+        (_template(nodeSelector={"gpu": "a100"}), _template(affinity={"nodeAffinity": {}})),
+        (_template(nodeSelector={"gpu": "a100"}), _template(tolerations=[{"operator": "Exists"}])),
+        (
+            _template(trainer={"resources": {"limits": {"cpu": "2"}}}),
+            _template(trainer={"workingDir": "/w"}),
+        ),
+        # A field swapped for junk the pod API would drop: the pods lose nodeSelector.
+        (_template(nodeSelector={"gpu": "a100"}), _template(nodeSelectr={"gpu": "a100"})),
+        # Inside a declared but unmodelled field.
+        (
+            _template(trainer={"resources": {"limits": {"cpu": "2"}}}),
+            _template(trainer={"resources": {"requests": {"cpu": "2"}}}),
+        ),
+        (
+            _template(
+                trainer={"env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}
+            ),
+            _template(trainer={"env": [{"name": "A", "value": "1"}]}),
+        ),
+    ],
+)
+def test_no_template_change_slips_past_the_api_servers_equality(
+    old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    assert not api_server_allows(manifest(template=old), manifest(template=new))
+    assert not api_server_allows(manifest(template=new), manifest(template=old))
+    # Suspended, the same change is fine.
+    assert api_server_allows(
+        manifest(template=old, suspend=True), manifest(template=new, suspend=True)
+    )
+
+
+def test_an_unchanged_template_passes_the_api_servers_equality() -> None:
+    template = _template(
+        nodeSelector={"gpu": "a100"}, trainer={"resources": {"limits": {"cpu": "2"}}}
+    )
+    assert api_server_allows(manifest(template=template), manifest(template=template, replicas=3))
+
+
+def _kubernetes_fields(definition: str) -> set[str]:
+    import json  # noqa: PLC0415
+
+    version = kubernetes_validate.latest_version()
+    root = (
+        Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / f"v{version}-local"
+    )
+    definitions = json.loads((root / "_definitions.json").read_text())["$defs"]
+    return set(definitions[f"io.k8s.api.core.v1.{definition}"]["properties"])
+
+
+@pytest.mark.parametrize(
+    ("definition", "declared"),
+    [
+        ("PodSpec", api.POD_SPEC_FIELDS),
+        ("Container", api.CONTAINER_FIELDS),
+        ("EnvVar", api.ENV_VAR_FIELDS),
+    ],
+)
+def test_every_core_v1_field_of_the_template_is_declared(
+    definition: str, declared: tuple[str, ...]
+) -> None:
+    """An undeclared field is invisible to the immutability rule (see api.POD_SPEC_FIELDS)."""
+    assert set(declared) == _kubernetes_fields(definition), "update the list in api.py"
+
+
+def test_kubectl_delete_all_does_not_delete_jobs() -> None:
+    categories = crd.custom_resource_definition()["spec"]["names"]["categories"]
+    assert "all" not in categories
+
+
+@pytest.mark.parametrize(
+    ("value", "valid"),
+    [
+        ("16Gi", True), ("512Mi", True), ("1e9", True), ("1.5G", True), (".5Gi", True),
+        ("+1Gi", True), ("2Pi", True), ("1E3", True), (1073741824, True),
+        ("1 Gi", False), ("1gb", False), ("-1Gi", False), ("1KiB", False), ("", False),
+    ],
+)  # fmt: skip
+def test_shm_size_is_any_quantity_the_api_accepts(value: Any, valid: bool) -> None:
+    document = manifest(shmSize=value)
+    assert jsonschema.Draft4Validator(schema()).is_valid(document) is valid
+    try:
+        api.parse_job(document)
+        accepted = True
+    except SpecError:
+        accepted = False
+    assert accepted is valid
+
+
+@pytest.mark.parametrize(
+    ("name", "valid"),
+    [
+        ("MY_VAR", True), ("my.env-name", True), ("1LEADING_DIGIT", True), ("with space", True),
+        ("a:b", True), ("A=B", False), ("ünicode", False), ("tab\t", False), ("", False),
+    ],
+)  # fmt: skip
+def test_env_names_are_what_the_api_accepts(name: str, valid: bool) -> None:
+    """Since Kubernetes 1.32 (RelaxedEnvironmentVariableValidation): printable ASCII but '='."""
+    container = {"name": "trainer", "image": "x", "env": [{"name": name, "value": "1"}]}
+    document = manifest(template={"spec": {"containers": [container]}})
+    assert jsonschema.Draft4Validator(schema()).is_valid(document) is valid
+    try:
+        api.parse_job(document)
+        accepted = True
+    except SpecError:
+        accepted = False
+    assert accepted is valid
