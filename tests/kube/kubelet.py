@@ -63,6 +63,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
 import requests
 
 from ddpjob_operator.builders import parse_quantity
@@ -80,6 +81,9 @@ JSON = dict[str, Any]
 log = logging.getLogger("process-kubelet")
 
 TICK = 0.1
+TREE_WALK_SECONDS = 1.0
+"""Without a cgroup, how often a running container's process tree is walked (to remember the
+processes to kill if its root dies first)."""
 BACKOFF_START = 10.0
 BACKOFF_MAX = 300.0
 VOLUME_RETRY = 5.0
@@ -159,6 +163,8 @@ class Container:
     backoff: float = 0.0
     probes: list[Probe] = dataclasses.field(default_factory=list)
     ever_started: bool = False
+    walked: float = 0.0
+    """When the process tree was last walked (only without a cgroup)."""
 
     @property
     def name(self) -> str:
@@ -367,6 +373,8 @@ class Kubelet:
         self.probe_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
         self.host_root = f"/proc/{os.getpid()}/root"
         self.node_transitions: dict[str, str] = {}
+        self.zombies: set[int] = set()
+        self.zombies_checked = 0.0
         config.root.mkdir(parents=True, exist_ok=True)
 
     # ---- node ---------------------------------------------------------------------------
@@ -558,6 +566,31 @@ class Kubelet:
                     self.sync(pod)
                 except Exception:
                     log.exception("syncing pod %s/%s", pod.namespace, pod.name)
+            self.reap_zombies()
+
+    def reap_zombies(self) -> None:
+        """As PID 1 of the node, wait for the orphans re-parented to us once they exit.
+
+        Only zombies already seen a second ago: a probe's process is a zombie for a moment
+        until its own ``subprocess`` call reaps it, and must not lose its exit status to us.
+        """
+        now = time.monotonic()
+        if now - self.zombies_checked < 1.0:
+            return
+        self.zombies_checked = now
+        roots = {c.proc.pid for pod in self.pods.values() for c in pod.all() if c.proc}
+        try:
+            zombies = {
+                child.pid
+                for child in psutil.Process().children()
+                if child.pid not in roots and child.status() == psutil.STATUS_ZOMBIE
+            }
+        except psutil.Error:
+            return
+        for pid in zombies & self.zombies:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        self.zombies = zombies
 
     def admit(self, body: JSON) -> None:
         meta = body["metadata"]
@@ -638,8 +671,13 @@ class Kubelet:
         for c in pod.all():
             if c.proc is None:
                 continue
-            if c.terminated is None and c.proc.exit_code is not None:
+            exited = c.proc.exit_code is not None
+            if c.terminated is None and exited:
                 self.record_exit(pod, c)
+            walk = c.proc.members is None and now - c.walked >= TREE_WALK_SECONDS
+            if not (exited or walk or c.proc.stopping_since is not None):
+                continue  # nothing to do while it runs: poll() above is the cheap check
+            c.walked = now
             if c.proc.reap(now):
                 c.proc.close()
                 if c.cgroup is not None and self.cgroups is not None:
@@ -751,10 +789,11 @@ class Kubelet:
             self.event(pod, "Warning", "Failed", f"Error: {exc}")
             self.after_exit(pod, c)
             return
-        limit = runtime.memory_limit(c.spec)
         c.cgroup = None
-        if limit is not None and self.cgroups is not None:
-            c.cgroup = self.cgroups.create(f"{pod.uid}-{c.name}-{c.restart_count}", limit)
+        if self.cgroups is not None:
+            c.cgroup = self.cgroups.create(
+                f"{pod.uid}-{c.name}-{c.restart_count}", runtime.memory_limit(c.spec)
+            )
         mounts = [runtime.Mount(source, target) for target, source in image.files.items()]
         assert pod.volumes is not None
         for mount in c.spec.get("volumeMounts") or []:
@@ -780,7 +819,10 @@ class Kubelet:
             cgroup=c.cgroup,
             host_root=self.host_root,
         )
-        c.proc = spawn(argv, env=c.env, cwd="/", log_path=log_path, wrapper=wrapper)
+        members = None if c.cgroup is None else c.cgroup / "cgroup.procs"
+        c.proc = spawn(
+            argv, env=c.env, cwd="/", log_path=log_path, wrapper=wrapper, members=members
+        )
         c.started_at = rfc3339()
         c.ever_started = True
         c.probes = [

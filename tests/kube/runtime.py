@@ -196,15 +196,18 @@ class Cgroups:
             return None
         return cls(root, v2) if found else None
 
-    def create(self, key: str, limit_bytes: int) -> Path | None:
+    def create(self, key: str, limit_bytes: int | None) -> Path | None:
+        """A container's cgroup: every process it starts stays in it (the kubelet reads its
+        members to stop the container), with the memory limit if there is one."""
         path = self.root / key
         try:
             path.mkdir(parents=True, exist_ok=True)
-            name = "memory.max" if self.v2 else "memory.limit_in_bytes"
-            (path / name).write_text(str(limit_bytes))
-            if not self.v2:
-                with contextlib.suppress(OSError):  # no swap for a limited container
-                    (path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+            if limit_bytes is not None:
+                name = "memory.max" if self.v2 else "memory.limit_in_bytes"
+                (path / name).write_text(str(limit_bytes))
+                if not self.v2:
+                    with contextlib.suppress(OSError):  # no swap for a limited container
+                        (path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
         except OSError:
             return None
         return path

@@ -232,6 +232,10 @@ class ContainerProcess:
     stopping_since: float | None = None
     grace_seconds: float = 0.0
     descendants: list[psutil.Process] = dataclasses.field(default_factory=list)
+    members: Path | None = None
+    """A cgroup's ``cgroup.procs`` that holds every process of the container (the process
+    kubelet's): then membership is read from it, exactly and cheaply, instead of walking the
+    process tree (which loses orphans whose parent died)."""
 
     @property
     def pid(self) -> int:
@@ -250,12 +254,27 @@ class ContainerProcess:
 
     def remember_descendants(self) -> None:
         """Keep the tree's members, so they can be killed even after the root is gone."""
+        if self.members is not None:
+            return  # the cgroup remembers them
         known = {p.pid for p in self.descendants}
         self.descendants += [p for p in self._tree()[1:] if p.pid not in known]
 
+    def _cgroup(self) -> list[psutil.Process]:
+        assert self.members is not None
+        try:
+            pids = [int(line) for line in self.members.read_text().split()]
+        except (OSError, ValueError):
+            return []
+        found = []
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found.append(psutil.Process(pid))
+        return found
+
     def all_processes(self) -> list[psutil.Process]:
         alive = []
-        for process in [*self._tree(), *self.descendants]:
+        listed = self._cgroup() if self.members is not None else [*self._tree(), *self.descendants]
+        for process in listed:
             with contextlib.suppress(psutil.NoSuchProcess):
                 if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                     alive.append(process)
@@ -297,11 +316,13 @@ def spawn(
     cwd: Path | str,
     log_path: Path,
     wrapper: Sequence[str] = (),
+    members: Path | None = None,
 ) -> ContainerProcess:
     """Start ``argv`` in a session of its own, stdout and stderr appended to ``log_path``.
 
     ``wrapper`` goes in front (the process kubelet's namespace set-up, which ends in an
-    ``exec`` of ``argv``, so the root process is the container's own).
+    ``exec`` of ``argv``, so the root process is the container's own); ``members``: see
+    :attr:`ContainerProcess.members`.
     """
     log = log_path.open("ab")
     try:
