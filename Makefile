@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXAMPLE ?= examples/quickstart.yaml
 
-.PHONY: run validate test lint unit integration e2e bench crd manifests clean images-offline
+.PHONY: run validate test lint kube kube-up unit integration e2e bench crd manifests clean images-offline
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,17 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint  ## Everything that can run here: lint, types, layers, unit, integration (e2e skips itself without kind)
+test: lint kube  ## Everything that can run here: lint, types, layers, unit, integration on the emulator and on the real control plane (kind e2e skips itself without kind)
 	$(BIN)/python -m pytest -q
+
+# The real control plane (tests/kube): etcd, kube-apiserver, kube-controller-manager and
+# kube-scheduler built from the Go modules pinned in hack/kube into .cache/kube/<versions>/bin.
+# Needs Go (the go line of hack/kube/go.mod) and the Go module proxy; builds only what is missing.
+kube: $(STAMP)  ## Build the real control plane's binaries from Go modules (hack/kube)
+	$(BIN)/python -m tests.kube build
+
+kube-up: kube  ## Start the real control plane with 3 process-kubelet nodes; prints KUBECONFIG=..., Ctrl-C stops it
+	$(BIN)/python -m tests.kube up
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

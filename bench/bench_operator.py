@@ -1,28 +1,37 @@
-"""Operator benchmark: N DDPJobs of M pods each against the API emulator, operator as a process.
+"""Operator benchmark: N DDPJobs of M pods, the real operator process, on two API servers.
 
-    python bench/bench_operator.py --jobs 200 --pods 8
+    python bench/bench_operator.py --jobs 200 --pods 8                # both, side by side
+    python bench/bench_operator.py --backend real --jobs 20 --pods 8  # one
 
-The emulator runs in its own process with its automatic kubelet (new pods are scheduled and
-Running at once; graceful deletions are confirmed). The operator is the real ``ddpjob operator``
-in a subprocess. The benchmark:
+Backends, in the same run:
 
-1. creates one 64-pod job and times job creation -> all 64 pods exist (target: within 2 s);
-2. creates N jobs of M pods, and times each from creation to all its pods existing;
-3. once every job is Running, measures the operator's CPU over a quiet window (target: ~0);
-4. finishes every pod successfully and waits for every job to be Succeeded;
-5. reports API requests per job lifecycle (create -> success) from the emulator's request log,
-   the operator's CPU seconds and peak RSS.
+* ``emulator``: :mod:`tests.emulator` in its own process, with its automatic kubelet (new pods
+  are Running at once; graceful deletions are confirmed). The floor of what the operator
+  itself costs.
+* ``real``: the real control plane of :mod:`tests.kube` (kube-apiserver, controllers,
+  scheduler) with three process kubelets that run every pod as a real process: a no-op
+  ``sleep`` that exits 0 at a set time. Pods are scheduled, started and reported by real
+  components, as a user's pods are. The operator runs with the Helm chart's RBAC.
 
-Baseline, in the same run: the fewest requests a controller that does the same work could make
-per job lifecycle (create the Service and M pods, write the status when the job is created,
-when it runs and when it succeeds, and remove the tracking finalizer of M pods), plus what kopf
-needs per job (add and remove its finalizer) and the benchmark's own writes are excluded. The
-ratio measured/floor shows the overhead: extra status writes, retries, index-lag repeats.
+For each, the benchmark:
+
+1. creates one 64-pod job: job creation -> all 64 pods created (target: within 2 s), and ->
+   all 64 Running;
+2. creates N jobs of M pods back to back: per job, creation -> all its pods created;
+3. once every job is Running, the operator's CPU and API requests over a quiet window (~0);
+4. lets every pod succeed and waits for every job to be Succeeded;
+5. API requests per job lifecycle (create -> Succeeded) from the API server's request log (the
+   emulator's, or the real server's audit log), against the floor: the fewest requests a
+   controller doing the same work could make (the Service, M pods, three status writes, M
+   finalizer releases, kopf's finalizer added and removed, three Events); the operator's CPU
+   seconds and peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime as dt
 import os
 import signal
 import statistics
@@ -30,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +47,18 @@ import psutil
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.emulator
+sys.path.insert(0, str(ROOT))  # tests.emulator, tests.kube
 from tests.emulator import EmulatorProcess  # noqa: E402
+from tests.kube import fixtures  # noqa: E402
+from tests.kube.controlplane import ControlPlane  # noqa: E402
 
 NS = "bench"
 DDPJOB = str(Path(sys.executable).parent / "ddpjob")
+JSON = dict[str, Any]
+OPERATOR_USER = f"system:serviceaccount:{fixtures.OPERATOR_NAMESPACE}:{fixtures.OPERATOR_ACCOUNT}"
 
 
-def manifest(name: str, pods: int) -> dict[str, Any]:
+def manifest(name: str, pods: int, container: JSON) -> JSON:
     return {
         "apiVersion": "ddpjob.io/v1alpha1",
         "kind": "DDPJob",
@@ -55,17 +68,7 @@ def manifest(name: str, pods: int) -> dict[str, Any]:
             "minReplicas": 1,
             "maxReplicas": pods,
             "nprocPerNode": 1,
-            "template": {
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "trainer",
-                            "image": "ddpjob/worker-cpu",
-                            "command": ["ddpjob-agent"],
-                        }
-                    ]
-                }
-            },
+            "template": {"spec": {"containers": [container]}},
         },
     }
 
@@ -82,78 +85,190 @@ def cpu_seconds(process: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-class Bench:
-    def __init__(self, em: Any, operator: subprocess.Popen[bytes]) -> None:
-        self.em = em
-        self.url = em.url
-        self.operator = psutil.Process(operator.pid)
-        self.session = requests.Session()
+def wait(what: str, check: Callable[[], bool], timeout: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if check():
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise SystemExit(f"timed out after {timeout}s waiting for {what}")
+
+
+def job_of(pod_name: str) -> str:
+    return pod_name.rsplit("-worker-", 1)[0]
+
+
+def creation_delays(creates: Iterable[tuple[str, float]], created: dict[str, float]) -> list[float]:
+    """Per job: job creation -> its last pod created; ``creates`` is (pod name, wall time)."""
+    last: dict[str, float] = {}
+    for name, when in creates:
+        job = job_of(name)
+        last[job] = max(last.get(job, 0.0), when)
+    return [last[job] - created[job] for job in created if job in last]
+
+
+class Backend:
+    """What the benchmark needs of an API server: requests, a request log, the kubelet's part."""
+
+    name = ""
+    url = ""
+    session: requests.Session
+
+    def __init__(self) -> None:
+        self.operator: psutil.Process | None = None
+
+    def container(self) -> JSON:
+        raise NotImplementedError
 
     def create(self, name: str, pods: int) -> float:
         started = time.time()
         response = self.session.post(
-            f"{self.url}/apis/ddpjob.io/v1alpha1/namespaces/{NS}/ddpjobs", json=manifest(name, pods)
+            f"{self.url}/apis/ddpjob.io/v1alpha1/namespaces/{NS}/ddpjobs",
+            json=manifest(name, pods, self.container()),
         )
         response.raise_for_status()
         return started
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return list(self.em.control.list_objects("ddpjob.io/v1alpha1/ddpjobs", NS))
+    def items(self, path: str) -> list[JSON]:
+        response = self.session.get(f"{self.url}{path}")
+        response.raise_for_status()
+        return list(response.json().get("items") or [])
 
-    def pods(self) -> list[dict[str, Any]]:
-        return list(self.em.control.list_objects("v1/pods", NS))
+    def jobs(self) -> list[JSON]:
+        return self.items(f"/apis/ddpjob.io/v1alpha1/namespaces/{NS}/ddpjobs")
 
-    def wait(self, what: str, check: Any, timeout: float) -> float:
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if check():
-                return time.monotonic() - started
-            time.sleep(0.2)
-        raise SystemExit(f"timed out after {timeout}s waiting for {what}")
+    def pods(self) -> list[JSON]:
+        return self.items(f"/api/v1/namespaces/{NS}/pods")
 
+    def mark(self) -> int:
+        """A position in the request log."""
+        raise NotImplementedError
 
-def creation_delays(entries: Iterable[dict[str, Any]], created: dict[str, float]) -> list[float]:
-    """Per job: job creation -> its last pod created (201), from the emulator's request log."""
-    last: dict[str, float] = {}
-    for entry in entries:
-        if (entry.get("verb"), entry.get("resource"), entry.get("status")) == (
-            "create",
-            "pods",
-            201,
-        ):
-            job = str(entry["name"]).rsplit("-worker-", 1)[0]
-            last[job] = max(last.get(job, 0.0), float(entry["ts"]))
-    return [last[job] - created[job] for job in created if job in last]
+    def pod_creates(self, since: int) -> list[tuple[str, float]]:
+        """(pod name, wall time) of every successful pod creation after ``since``."""
+        raise NotImplementedError
 
+    def operator_requests(self, since: int) -> dict[str, int]:
+        """The operator's requests after ``since`` by "verb resource[/sub]", watches excluded."""
+        raise NotImplementedError
 
-def count_requests(entries: Iterable[dict[str, Any]], since: int) -> dict[str, int]:
-    """The operator's API requests (the benchmark's own are POST ddpjobs), by verb."""
-    out: dict[str, int] = {}
-    for entry in entries:
-        if entry["seq"] <= since:
-            continue
-        if (entry.get("resource"), entry.get("verb")) == ("ddpjobs", "create"):
-            continue  # the benchmark creating jobs
-        if entry.get("verb") in ("watch", None):
-            continue  # long-lived streams: counted separately
-        key = f"{entry['verb']} {entry['resource']}" + (
-            f"/{entry['subresource']}" if entry.get("subresource") else ""
-        )
-        out[key] = out.get(key, 0) + 1
-    return out
+    def finish_pods(self) -> None:
+        """Every pod but the 64-pod job's succeeds."""
+        raise NotImplementedError
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=200)
-    parser.add_argument("--pods", type=int, default=8)
-    parser.add_argument("--quiet-seconds", type=float, default=20.0)
-    args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="ddpjob-bench-"))
-    with EmulatorProcess(auto_kubelet=True, namespaces=["default", NS]) as em:
-        kubeconfig = em.write_kubeconfig(workdir / "kubeconfig", namespace=NS)
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-        log = (workdir / "operator.log").open("wb")
+class Emulated(Backend):
+    name = "emulator"
+
+    def __init__(self, em: Any) -> None:
+        super().__init__()
+        self.em = em
+        self.url = em.url
+        self.session = requests.Session()
+
+    def container(self) -> JSON:
+        return {"name": "trainer", "image": "ddpjob/worker-cpu", "command": ["ddpjob-agent"]}
+
+    def mark(self) -> int:
+        entries = self.em.control.requests()
+        return int(entries[-1]["seq"]) if entries else 0
+
+    def pod_creates(self, since: int) -> list[tuple[str, float]]:
+        return [
+            (str(e["name"]), float(e["ts"]))
+            for e in self.em.control.requests()
+            if e["seq"] > since
+            and (e.get("verb"), e.get("resource"), e.get("status")) == ("create", "pods", 201)
+        ]
+
+    def operator_requests(self, since: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for entry in self.em.control.requests():
+            if entry["seq"] <= since:
+                continue
+            if (entry.get("resource"), entry.get("verb")) == ("ddpjobs", "create"):
+                continue  # the benchmark creating jobs
+            if entry.get("verb") in ("watch", None):
+                continue
+            key = f"{entry['verb']} {entry['resource']}" + (
+                f"/{entry['subresource']}" if entry.get("subresource") else ""
+            )
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def finish_pods(self) -> None:
+        for pod in self.pods():
+            meta = pod["metadata"]
+            if job_of(meta["name"]) != "big":
+                self.em.control.set_pod_phase(NS, meta["name"], "Succeeded", exit_code=0)
+
+
+def _audit_time(entry: JSON) -> float:
+    stamp = str(entry.get("stageTimestamp") or entry.get("requestReceivedTimestamp"))
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+class Real(Backend):
+    name = "real"
+
+    def __init__(self, cluster: ControlPlane, end_after: float) -> None:
+        super().__init__()
+        self.cluster = cluster
+        self.url = cluster.server
+        self.session = cluster.admin("ddpjob-bench").session
+        self.end = int(time.time() + end_after)
+
+    def container(self) -> JSON:
+        # A no-op pod: one `sleep` process that exits 0 at a set time (no polling process).
+        script = "now=$(date +%s); exec sleep $((END - now))"
+        return {
+            "name": "trainer",
+            "image": "busybox",
+            "command": ["sh", "-c", script],
+            "env": [{"name": "END", "value": str(self.end)}],
+        }
+
+    def mark(self) -> int:
+        return self.cluster.audit_size()
+
+    def pod_creates(self, since: int) -> list[tuple[str, float]]:
+        return [
+            (str(e["objectRef"].get("name") or e["objectRef"].get("name", "")), _audit_time(e))
+            for e in self.cluster.audit(since)
+            if e.get("verb") == "create"
+            and (e.get("objectRef") or {}).get("resource") == "pods"
+            and not (e.get("objectRef") or {}).get("subresource")
+            and (e.get("responseStatus") or {}).get("code") == 201
+            and (e.get("user") or {}).get("username") == OPERATOR_USER
+        ]
+
+    def operator_requests(self, since: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for entry in self.cluster.audit(since):
+            if (entry.get("user") or {}).get("username") != OPERATOR_USER:
+                continue
+            if entry.get("verb") == "watch":
+                continue
+            ref = entry.get("objectRef") or {}
+            if not ref.get("resource"):
+                continue  # discovery
+            key = f"{entry['verb']} {ref['resource']}" + (
+                f"/{ref['subresource']}" if ref.get("subresource") else ""
+            )
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def finish_pods(self) -> None:
+        """The pods exit 0 at ``END`` by themselves."""
+        left = self.end - time.time()
+        if left > 0:
+            time.sleep(left)
+
+
+@contextlib.contextmanager
+def operator_process(kubeconfig: Path, workdir: Path) -> Iterator[psutil.Process]:
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    with (workdir / "operator.log").open("wb") as log:
         operator = subprocess.Popen(
             [DDPJOB, "operator", "--namespace", NS, "--metrics-port", "0", "--health-port", "0"],
             env=env,
@@ -161,89 +276,146 @@ def main() -> None:
             stderr=subprocess.STDOUT,
         )
         try:
-            run(Bench(em, operator), args)
+            yield psutil.Process(operator.pid)
         finally:
             operator.send_signal(signal.SIGTERM)
             operator.wait(timeout=60)
-            log.close()
 
 
-def run(bench: Bench, args: argparse.Namespace) -> None:
-    em = bench.em
+def run(bench: Backend, operator: psutil.Process, args: argparse.Namespace) -> dict[str, str]:
+    out: dict[str, str] = {}
     time.sleep(3.0)  # the operator starts (kopf, indexes)
-    cpu_start = cpu_seconds(bench.operator)
+    cpu_start = cpu_seconds(operator)
 
     # 1. one 64-pod job
+    since = bench.mark()
     big = bench.create("big", 64)
-    bench.wait("64 pods", lambda: len(bench.pods()) >= 64, 120)
-    big_delay = creation_delays(em.control.requests(), {"big": big})[0]
-    print(f"64-pod job: creation -> all 64 pods created: {big_delay:.2f}s (target < 2 s)")
+    wait("64 pods", lambda: len(bench.pods()) >= 64, 120)
+    big_delay = creation_delays(bench.pod_creates(since), {"big": big})[0]
+    out["64-pod job: creation -> all pods created"] = f"{big_delay:.2f} s"
+
+    def big_running() -> bool:
+        phases = [p.get("status", {}).get("phase") for p in bench.pods()]
+        return phases.count("Running") >= 64
+
+    running = wait("64 pods Running", big_running, 300)
+    out["64-pod job: creation -> all pods Running"] = f"{time.time() - big:.2f} s"
+    del running
 
     # 2. N jobs of M pods
-    since = int(em.control.requests()[-1]["seq"]) if em.control.requests() else 0
+    since = bench.mark()
     created: dict[str, float] = {}
     started = time.monotonic()
     for i in range(args.jobs):
         name = f"job-{i:03d}"
         created[name] = bench.create(name, args.pods)
     total = args.jobs * args.pods + 64
-    spent = bench.wait(f"{total} pods", lambda: len(bench.pods()) >= total, 600)
-    delays = creation_delays(em.control.requests(), created)
-    print(
-        f"{args.jobs} jobs x {args.pods} pods: created in {time.monotonic() - started:.1f}s; "
-        f"every pod exists {spent:.1f}s after the first job; per job, creation -> all pods: "
-        f"median {statistics.median(delays):.2f}s, max {max(delays):.2f}s"
+    spent = wait(f"{total} pods", lambda: len(bench.pods()) >= total, 900)
+    delays = creation_delays(bench.pod_creates(since), created)
+    out[f"{args.jobs} jobs x {args.pods} pods: per job, creation -> all pods created"] = (
+        f"median {statistics.median(delays):.2f} s, max {max(delays):.2f} s"
     )
-    bench.wait(
+    out[f"{args.jobs} jobs x {args.pods} pods: every pod created after the first job"] = (
+        f"{spent + (time.monotonic() - started - spent):.1f} s"
+    )
+    wait(
         "every job Running",
         lambda: all((j.get("status") or {}).get("phase") == "Running" for j in bench.jobs()),
-        600,
+        900,
     )
+    out["every job Running after the first was created"] = f"{time.monotonic() - started:.1f} s"
 
     # 3. steady state
     time.sleep(2.0)
-    quiet_start, wall = cpu_seconds(bench.operator), time.monotonic()
-    requests_before = len(em.control.requests())
+    quiet_start, wall = cpu_seconds(operator), time.monotonic()
+    quiet_since = bench.mark()
     time.sleep(args.quiet_seconds)
-    quiet_cpu = cpu_seconds(bench.operator) - quiet_start
+    quiet_cpu = cpu_seconds(operator) - quiet_start
     quiet_wall = time.monotonic() - wall
-    quiet_requests = len(em.control.requests()) - requests_before
-    print(
-        f"steady state, {args.jobs + 1} running jobs: {quiet_cpu:.2f} CPU s over {quiet_wall:.0f}s "
-        f"({100 * quiet_cpu / quiet_wall:.1f}% of a core), {quiet_requests} API requests"
+    quiet_requests = sum(bench.operator_requests(quiet_since).values())
+    out[f"steady state, {args.jobs + 1} running jobs, {quiet_wall:.0f} s"] = (
+        f"{quiet_requests} API requests, {quiet_cpu:.2f} CPU s "
+        f"({100 * quiet_cpu / quiet_wall:.1f}% of a core)"
     )
 
     # 4. every pod succeeds
-    for pod in bench.pods():
-        meta = pod["metadata"]
-        if meta["labels"]["ddpjob.io/job-name"] == "big":
-            continue
-        em.control.set_pod_phase(NS, meta["name"], "Succeeded", exit_code=0)
-    bench.wait(
+    bench.finish_pods()
+    wait(
         "every job Succeeded",
         lambda: all(
             (j.get("status") or {}).get("phase") == "Succeeded"
             for j in bench.jobs()
             if j["metadata"]["name"] != "big"
         ),
-        600,
+        900,
     )
     time.sleep(3.0)  # finalizer removals land
 
     # 5. requests per lifecycle
-    by_verb = count_requests(em.control.requests(), since)
+    by_verb = bench.operator_requests(since)
     per_job = sum(by_verb.values()) / args.jobs
-    # Service, M pods, 3 status writes (created, running, succeeded), M finalizer releases,
-    # kopf's finalizer on the job (add, remove), 3 events (created, running, succeeded).
     floor = 1 + args.pods + 3 + args.pods + 2 + 3
-    print(f"API requests per job lifecycle (create -> Succeeded): {per_job:.1f}")
-    for key, value in sorted(by_verb.items()):
-        print(f"  {key}: {value / args.jobs:.2f} per job")
-    print(f"floor for the same work: {floor} per job; ratio measured/floor: {per_job / floor:.2f}")
-    print(
-        f"operator: {cpu_seconds(bench.operator) - cpu_start:.1f} CPU s in all, "
-        f"peak RSS {peak_rss_mib(bench.operator.pid):.0f} MiB"
+    out["API requests per job lifecycle (create -> Succeeded)"] = (
+        f"{per_job:.1f} (floor {floor}, ratio {per_job / floor:.2f})"
     )
+    for key, value in sorted(by_verb.items()):
+        out[f"  {key}"] = f"{value / args.jobs:.2f} per job"
+    out["operator: CPU s in all, peak RSS"] = (
+        f"{cpu_seconds(operator) - cpu_start:.1f} s, {peak_rss_mib(operator.pid):.0f} MiB"
+    )
+    return out
+
+
+def on_emulator(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
+    with EmulatorProcess(auto_kubelet=True, namespaces=["default", NS]) as em:
+        kubeconfig = em.write_kubeconfig(workdir / "kubeconfig", namespace=NS)
+        with operator_process(kubeconfig, workdir) as operator:
+            return run(Emulated(em), operator, args)
+
+
+def on_real(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
+    capacity = {"cpu": "64", "memory": "256Gi", "pods": "2000", "ephemeral-storage": "1Ti"}
+    with ControlPlane(workdir / "cluster", nodes=3, node_capacity=capacity) as cluster:
+        fixtures.install_crd(cluster)
+        fixtures.install_rbac(cluster)
+        fixtures.kubectl_run(cluster, "create", "namespace", NS)
+        fixtures.wait_for(
+            lambda: cluster.admin().get(f"/api/v1/namespaces/{NS}/serviceaccounts/default"),
+            "the namespace's default ServiceAccount",
+        )
+        kubeconfig = fixtures.operator_kubeconfig(cluster, workdir / "operator.kubeconfig")
+        backend = Real(cluster, end_after=args.pod_seconds)
+        with operator_process(kubeconfig, workdir) as operator:
+            return run(backend, operator, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=200)
+    parser.add_argument("--pods", type=int, default=8)
+    parser.add_argument("--quiet-seconds", type=float, default=20.0)
+    parser.add_argument("--backend", choices=["emulator", "real", "both"], default="both")
+    parser.add_argument(
+        "--pod-seconds",
+        type=float,
+        default=300.0,
+        help="on the real server, the no-op pods exit 0 this long after the start",
+    )
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="ddpjob-bench-"))
+    results: dict[str, dict[str, str]] = {}
+    if args.backend in ("emulator", "both"):
+        (workdir / "emulator").mkdir()
+        results["emulator"] = on_emulator(args, workdir / "emulator")
+    if args.backend in ("real", "both"):
+        (workdir / "real").mkdir()
+        results["real"] = on_real(args, workdir / "real")
+    keys = list(dict.fromkeys(k for r in results.values() for k in r))
+    width = max(len(k) for k in keys)
+    print(f"{'measure':<{width}}  " + "  ".join(f"{b:<34}" for b in results))
+    for key in keys:
+        print(f"{key:<{width}}  " + "  ".join(f"{r.get(key, '-'):<34}" for r in results.values()))
+    print(f"logs: {workdir}")
 
 
 if __name__ == "__main__":

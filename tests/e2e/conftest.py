@@ -1,6 +1,13 @@
-"""The kind cluster's lifecycle for the e2e tests (``make e2e``; opt-in).
+"""The clusters of the e2e tests: the real control plane of ``tests/kube``, and kind.
 
-One cluster per session, shared by every test in this directory:
+Every test here runs twice: ``[real]`` on the session's real control plane (etcd,
+kube-apiserver, kube-controller-manager and kube-scheduler built from Go modules, process
+kubelets; part of ``make test``), ``[kind]`` on a kind cluster (``make e2e``; opt-in). On the
+real control plane the chart is installed with real ``helm`` and its operator Deployment runs
+through a process kubelet (image ``ghcr.io/ddpjob/ddpjob-operator``: ``ddpjob operator`` from
+the dev venv), with the projected service-account token a kubelet mounts.
+
+kind: one cluster per session, shared by every test in this directory:
 
 1. ``kind create cluster --name ddpjob-e2e`` (``--image $KIND_NODE_IMAGE`` if set, else kind's
    default node image), with a kubeconfig of its own: the user's ``~/.kube/config`` is never
@@ -49,6 +56,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import tools
 from tests.e2e.cluster import (
     ROOT,
     Installed,
@@ -59,6 +67,7 @@ from tests.e2e.cluster import (
     resolve_tool,
     run,
 )
+from tests.kube.controlplane import ControlPlane, free_port
 
 DEFAULT_CLUSTER = "ddpjob-e2e"
 TEST_NAMESPACE = "ddpjob-e2e"
@@ -67,6 +76,11 @@ RELEASE = "ddpjob"
 CHART = ROOT / "charts" / "ddpjob"
 OPERATOR_REPOSITORY = "ddpjob-operator"
 WORKER_REPOSITORY = "ddpjob-worker-cpu"
+REAL_OPERATOR_NAMESPACE = "ddpjob-e2e-system"
+"""On the shared real control plane ``ddpjob-system`` holds the RBAC the other tests use."""
+REAL_OPERATOR_IMAGE = "ghcr.io/ddpjob/ddpjob-operator"
+REAL_WORKER_IMAGE = "ghcr.io/ddpjob/ddpjob-worker-cpu:0.1.0"
+"""Images the process kubelet knows (tests/kube/runtime.py): the dev venv's programs."""
 
 FAILED = pytest.StashKey[bool]()
 
@@ -228,8 +242,8 @@ def load_image(image: str, cluster: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def ddpjob_install(kind_cluster: Kube) -> Installed:
-    """The local images in the cluster and the chart installed, serving ``ddpjob-e2e``."""
+def kind_install(kind_cluster: Kube) -> Installed:
+    """The local images in the kind cluster and the chart installed, serving ``ddpjob-e2e``."""
     tag = os.environ.get("DDPJOB_E2E_TAG", "e2e")
     operator_image = f"{OPERATOR_REPOSITORY}:{tag}"
     worker_image = f"{WORKER_REPOSITORY}:{tag}"
@@ -273,4 +287,52 @@ def ddpjob_install(kind_cluster: Kube) -> Installed:
     return Installed(
         kind_cluster.in_namespace(TEST_NAMESPACE), operator_image, worker_image, RELEASE,
         OPERATOR_NAMESPACE,
+    )  # fmt: skip
+
+
+# ---- either cluster --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", params=["real", "kind"])
+def e2e_cluster(request: pytest.FixtureRequest) -> Kube:
+    """kubectl and helm on the real control plane, or on the kind cluster."""
+    if request.param == "kind":
+        kind: Kube = request.getfixturevalue("kind_cluster")
+        return kind
+    cluster: ControlPlane = request.getfixturevalue("kube_cluster")
+    return Kube(cluster.kubeconfig, str(tools.tool("kubectl")), str(tools.tool("helm")))
+
+
+@pytest.fixture(scope="session")
+def ddpjob_install(e2e_cluster: Kube, request: pytest.FixtureRequest) -> Installed:
+    if e2e_cluster.cluster:
+        installed: Installed = request.getfixturevalue("kind_install")
+        return installed
+    return install_on_real(e2e_cluster)
+
+
+def install_on_real(kube: Kube) -> Installed:
+    """The chart (namespaced, serving ``ddpjob-e2e``) on the real control plane."""
+    for namespace in (TEST_NAMESPACE, REAL_OPERATOR_NAMESPACE):
+        manifest = kube.kubectl(
+            "create", "namespace", namespace, "--dry-run=client", "-o", "yaml"
+        ).stdout
+        kube.kubectl("apply", "-f", "-", stdin=manifest)
+    # Pods share this machine's ports (tests/kube/runtime.py): no fixed 8080/8081.
+    values = {
+        "image": {"repository": REAL_OPERATOR_IMAGE},
+        "watchNamespaces": [TEST_NAMESPACE],
+        "metrics": {"port": free_port()},
+        "health": {"port": free_port()},
+    }
+    values_file = artifacts_dir() / "helm-values-real.json"
+    values_file.write_text(json.dumps(values))
+    kube.helm(
+        "upgrade", "--install", RELEASE, str(CHART),
+        "--namespace", REAL_OPERATOR_NAMESPACE,
+        "--values", str(values_file), "--wait", "--timeout", "5m",
+    )  # fmt: skip
+    return Installed(
+        kube.in_namespace(TEST_NAMESPACE), REAL_OPERATOR_IMAGE, REAL_WORKER_IMAGE, RELEASE,
+        REAL_OPERATOR_NAMESPACE,
     )  # fmt: skip

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def cluster(kind_cluster: Kube) -> Kube:
-    kube = kind_cluster.in_namespace("default")
+def cluster(e2e_cluster: Kube) -> Kube:
+    kube = e2e_cluster.in_namespace("default")
     kube.kubectl("apply", "-f", str(ROOT / "deploy" / "crd.yaml"))
     kube.kubectl("wait", "--for=condition=Established", "crd/ddpjobs.ddpjob.io", "--timeout=60s")
     return kube

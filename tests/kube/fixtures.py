@@ -88,11 +88,10 @@ def install_crd(cluster: ControlPlane) -> None:
     kubectl_run(cluster, "wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
 
 
-def install_rbac(cluster: ControlPlane) -> None:
-    """The chart's ServiceAccount, roles and bindings (and kopf's peering CRD), not its
-    Deployment: tests run the operator themselves."""
-    kubectl_run(cluster, "create", "namespace", OPERATOR_NAMESPACE)
-    docs = tools.render(CHART_VALUES, namespace=OPERATOR_NAMESPACE)
+def apply_chart_rbac(cluster: ControlPlane, values: Mapping[str, Any]) -> None:
+    """The chart's ServiceAccount, roles and bindings (and kopf's peering CRD) for these
+    values, not its Deployment: tests run the operator themselves."""
+    docs = tools.render({**CHART_VALUES, **values}, namespace=OPERATOR_NAMESPACE)
     wanted = [
         d
         for d in docs
@@ -100,6 +99,24 @@ def install_rbac(cluster: ControlPlane) -> None:
     ]
     stdin = "\n---\n".join(json.dumps(d) for d in wanted)
     kubectl_run(cluster, "apply", "-f", "-", stdin=stdin)
+
+
+def install_rbac(cluster: ControlPlane) -> None:
+    """Cluster-wide, with every option that adds RBAC on (CHART_VALUES)."""
+    kubectl_run(cluster, "create", "namespace", OPERATOR_NAMESPACE)
+    apply_chart_rbac(cluster, {})
+
+
+def operator_kubeconfig(cluster: ControlPlane, path: Path) -> Path:
+    """A kubeconfig holding a token the API server issued to the chart's ServiceAccount."""
+    answer = cluster.admin().create(
+        f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{OPERATOR_ACCOUNT}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+         "spec": {"expirationSeconds": 7200}},
+    )  # fmt: skip
+    token = str(answer["status"]["token"])
+    user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
+    return cluster.kubeconfig_for(user, token, path)
 
 
 @pytest.fixture(scope="session")
@@ -229,15 +246,13 @@ class KubeTest:
     # ---- the operator ---------------------------------------------------------------------
 
     def operator_kubeconfig(self, path: Path) -> Path:
-        """A kubeconfig holding a token the API server issued to the chart's ServiceAccount."""
-        answer = self.api.create(
-            f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{OPERATOR_ACCOUNT}/token",
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-             "spec": {"expirationSeconds": 7200}},
-        )  # fmt: skip
-        token = str(answer["status"]["token"])
-        user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
-        return self.cluster.kubeconfig_for(user, token, path)
+        return operator_kubeconfig(self.cluster, path)
+
+    def namespaced_rbac(self) -> None:
+        """Also the chart's namespaced RBAC for this namespace (and the namespaced peering CRD):
+        what an operator serving ``--namespace`` with ``--peering`` uses."""
+        values = {"clusterWide": False, "watchNamespaces": [self.namespace]}
+        apply_chart_rbac(self.cluster, values)
 
     def stop_operators(self) -> None:
         for process in self.operators:

@@ -1,0 +1,336 @@
+"""ddpjob on the real control plane: what only a real cluster can check.
+
+The CRD as the real API server takes it (structural schema, CEL cost estimation, the rules
+themselves, printer columns, the scale subresource), real ``kubectl`` and ``helm``, the
+operator's own Deployment running through a process kubelet with a projected service-account
+token, the chart's RBAC enforced by the server, the real garbage collector, a real node loss
+handled by the real node lifecycle and taint eviction controllers, and the operator SIGKILLed
+in the middle of a scale-up. The scenarios shared with the emulator are in
+``test_operator.py`` (their ``[real]`` variants).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests import tools
+from tests.kube.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, KubeTest
+
+from .operator_env import RealEnv, real_env, wait_for
+
+pytestmark = pytest.mark.slow
+JSON = dict[str, Any]
+ROOT = Path(__file__).resolve().parents[2]
+CRD_COPY = ROOT / "charts" / "ddpjob" / "crds" / "ddpjob.io_ddpjobs.yaml"
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
+
+
+@pytest.fixture
+def real(kube: KubeTest, tmp_path: Path) -> RealEnv:
+    return real_env(kube, tmp_path)
+
+
+def counts(env: RealEnv, name: str) -> tuple[int, int]:
+    status = env.status(name)
+    return status.get("restarts", 0), status.get("backoffCount", 0)
+
+
+def live(env: RealEnv, job: str) -> list[JSON]:
+    return [p for p in env.pods(job) if not p["metadata"].get("deletionTimestamp")]
+
+
+# ---- the CRD ---------------------------------------------------------------------------------
+
+
+def test_the_crd_is_established_and_the_charts_copy_is_accepted(kube: KubeTest) -> None:
+    crd = kube.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/ddpjobs.ddpjob.io")
+    assert crd is not None
+    conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert conditions["Established"] == "True" and conditions["NamesAccepted"] == "True"
+    # The chart's copy, through the server's full validation (CEL cost estimation included).
+    result = kube.kubectl("apply", "--dry-run=server", "-f", str(CRD_COPY))
+    assert "ddpjobs.ddpjob.io" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"replicas": 2, "minReplicas": 3}, "replicas must lie within minReplicas..maxReplicas"),
+        ({"replicas": 5, "maxReplicas": 4}, "replicas must lie within minReplicas..maxReplicas"),
+        ({"replicas": 0}, "spec.replicas"),
+        ({"backoffLimit": -2}, "spec.backoffLimit"),
+        ({"maxRestarts": -1}, "spec.maxRestarts"),
+        ({"nprocPerNode": 0}, "spec.nprocPerNode"),
+        ({"nprocPerNode": "gpu"}, "spec.nprocPerNode"),
+        ({"restartPolicy": "Always"}, "spec.restartPolicy"),
+        ({"rendezvous": {"port": 70000}}, "spec.rendezvous.port"),
+        ({"template": {"spec": {"containers": []}}}, "spec.template.spec.containers"),
+        ({"template": {"spec": {"containers": [{"name": "t"}]}}}, "image"),
+    ],
+)
+def test_invalid_specs_are_refused_by_the_server_naming_the_field(
+    real: RealEnv, spec: JSON, field: str
+) -> None:
+    manifest = real.manifest("bad", real.namespace)
+    manifest["spec"].update(spec)
+    response = real.create_raw(manifest)
+    assert response.status_code == 422, response.text
+    assert field in response.json()["message"], response.json()["message"]
+
+
+def test_fields_baked_into_pods_change_only_while_suspended(real: RealEnv) -> None:
+    real.create_job("frozen")
+    path = f"/apis/ddpjob.io/v1alpha1/namespaces/{real.namespace}/ddpjobs/frozen"
+    change = {"spec": {"maxRestarts": 9}}
+    headers = {"Content-Type": "application/merge-patch+json"}
+    refused = real.api("PATCH", path, data=json.dumps(change), headers=headers)
+    assert refused.status_code == 422, refused.text
+    assert "spec.maxRestarts cannot change while the job runs" in refused.json()["message"]
+    both = {"spec": {"maxRestarts": 9, "suspend": True}}
+    assert real.api("PATCH", path, data=json.dumps(both), headers=headers).status_code == 200
+    replicas = {"spec": {"replicas": 3}}
+    assert real.api("PATCH", path, data=json.dumps(replicas), headers=headers).status_code == 200
+
+
+# ---- kubectl and helm ------------------------------------------------------------------------
+
+
+def test_kubectl_apply_get_scale_and_describe(real: RealEnv) -> None:
+    real.start_operator()
+    manifest = real.manifest("kubectl-job", real.namespace)
+    real.k.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(manifest))
+    wait_for(lambda: real.status("kubectl-job").get("phase") == "Running", "Running", timeout=60)
+    table = real.k.kubectl("get", "ddpj").stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "REPLICAS", "READY", "WORLD", "RESTARTS", "AGE"]
+    assert table[1].split()[:6] == ["kubectl-job", "Running", "2", "2", "-", "0"] or table[
+        1
+    ].split()[:4] == ["kubectl-job", "Running", "2", "2"]
+    real.k.kubectl("scale", "ddpj/kubectl-job", "--replicas=3")
+    wait_for(lambda: len(live(real, "kubectl-job")) == 3, "3 pods after kubectl scale", timeout=60)
+    scale = real.k.get(
+        f"/apis/ddpjob.io/v1alpha1/namespaces/{real.namespace}/ddpjobs/kubectl-job/scale"
+    )
+    assert scale is not None and scale["spec"]["replicas"] == 3
+    assert scale["status"]["selector"] == "ddpjob.io/job-name=kubectl-job"
+    wait_for(
+        lambda: "CreatedPods" in real.k.kubectl("describe", "ddpj", "kubectl-job").stdout,
+        "the operator's Events in kubectl describe",
+    )
+    described = real.k.kubectl("describe", "ddpj", "kubectl-job").stdout
+    assert "Events:" in described and "ddpjob-operator" in described
+    refused = real.k.kubectl("scale", "ddpj/kubectl-job", "--replicas=9", check=False)
+    assert refused.returncode != 0
+    assert "replicas must lie within minReplicas..maxReplicas" in refused.stderr
+
+
+@pytest.fixture
+def helm_release(kube: KubeTest, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """charts/ddpjob installed with real helm: namespaced, serving the test's namespace."""
+    release = f"r{kube.namespace[-6:]}"
+    system = kube.namespace[:50] + "-sys"
+    kube.create_namespace(system)
+    kube.namespaces.append(system)
+    values = {
+        "watchNamespaces": [kube.namespace],
+        "metrics": {"port": _free_port()},
+        "health": {"port": _free_port()},
+        "livenessProbe": {"initialDelaySeconds": 5, "periodSeconds": 5},
+    }
+    values_file = tmp_path / "values.json"
+    values_file.write_text(json.dumps(values))
+    env_kubeconfig = str(kube.cluster.kubeconfig)
+    helm = tools.helm(
+        "install", release, str(tools.CHART), "--namespace", system, "--values", str(values_file),
+        "--kubeconfig", env_kubeconfig, "--wait", "--timeout", "120s", check=False,
+    )  # fmt: skip
+    assert helm.returncode == 0, helm.stderr + helm.stdout
+    try:
+        yield release, system
+    finally:
+        tools.helm("uninstall", release, "--namespace", system, "--kubeconfig", env_kubeconfig,
+                   check=False)  # fmt: skip
+
+
+def _free_port() -> int:
+    from .operator_env import free_port  # noqa: PLC0415
+
+    return free_port()
+
+
+def test_helm_install_runs_the_operator_pod_with_its_service_account(
+    real: RealEnv, helm_release: tuple[str, str]
+) -> None:
+    release, system = helm_release
+    kube = real.k
+    pods = kube.get(f"/api/v1/namespaces/{system}/pods") or {}
+    [operator] = [p for p in pods.get("items") or [] if p["metadata"]["name"].startswith(release)]
+    assert operator["status"]["phase"] == "Running"
+    assert any(
+        c["type"] == "Ready" and c["status"] == "True" for c in operator["status"]["conditions"]
+    )
+    volumes = {v["name"] for v in operator["spec"]["volumes"]}
+    assert any(v.startswith("kube-api-access-") for v in volumes), volumes
+    real.create_job("helmed")
+    wait_for(lambda: len(real.pods("helmed")) == 2, "pods made by the in-cluster operator", 60)
+    account = operator["spec"]["serviceAccountName"]
+    user = f"system:serviceaccount:{system}:{account}"
+    creators = {
+        (e.get("user") or {}).get("username")
+        for e in kube.cluster.audit(since=kube.audit_offset)
+        if e.get("verb") == "create"
+        and (e.get("objectRef") or {}).get("resource") == "pods"
+        and (e.get("objectRef") or {}).get("namespace") == real.namespace
+    }
+    assert creators == {user}
+    denied = [
+        e
+        for e in kube.cluster.audit(since=kube.audit_offset)
+        if (e.get("user") or {}).get("username") == user
+        and (e.get("responseStatus") or {}).get("code") == 403
+    ]
+    assert denied == [], [(e["verb"], e.get("objectRef")) for e in denied]
+
+
+# ---- the operator on the real server ---------------------------------------------------------
+
+
+def test_the_charts_rbac_is_all_the_operator_needs(real: RealEnv) -> None:
+    """A whole lifecycle with every option on; the server answers no request of the operator
+    with 403 (the chart grants cluster-wide, with NetworkPolicies and peering)."""
+    real.create_peering("ddpjob")
+    real.start_operator("--peering", "ddpjob", "--network-policy")
+    real.create_job("chi", ttlSecondsAfterFinished=1)
+    real.run_pods("chi")
+    real.finish_pod("chi-worker-1", exit_code=1)
+    wait_for(lambda: counts(real, "chi") == (1, 1), "failure counted", timeout=30)
+    real.scale("chi", 3)
+    wait_for(lambda: len(live(real, "chi")) == 3, "scaled up", timeout=30)
+    real.run_pods("chi")
+    for pod in live(real, "chi"):
+        real.finish_pod(pod["metadata"]["name"], exit_code=0, reason="Completed")
+    wait_for(lambda: real.job("chi") is None, "the job TTL-deleted", timeout=60)
+    mine = [
+        e
+        for e in real.k.cluster.audit(since=real.k.audit_offset)
+        if (e.get("user") or {}).get("username") == OPERATOR_USER
+    ]
+    assert mine, "no request of the operator in the audit log"
+    denied = [
+        (e["verb"], e.get("objectRef"), e.get("responseStatus"))
+        for e in mine
+        if (e.get("responseStatus") or {}).get("code") == 403
+    ]
+    assert denied == []
+
+
+def test_deleting_the_job_leaves_no_pod_service_or_network_policy(real: RealEnv) -> None:
+    real.start_operator()
+    real.create_job("gone", networkPolicy=True)
+    real.run_pods("gone")
+    wait_for(
+        lambda: real.get_object(
+            "networking.k8s.io/v1/networkpolicies", real.namespace, "gone-ddpjob"
+        ),
+        "the NetworkPolicy",
+    )
+    assert real.get_object("v1/services", real.namespace, "gone") is not None
+    assert real.delete_job("gone") == 200
+
+    def everything_gone() -> bool:
+        return (
+            real.pods("gone") == []
+            and real.get_object("v1/services", real.namespace, "gone") is None
+            and real.get_object(
+                "networking.k8s.io/v1/networkpolicies", real.namespace, "gone-ddpjob"
+            )
+            is None
+            and real.job("gone") is None
+        )
+
+    wait_for(everything_gone, "the garbage collector to remove pods, Service, NetworkPolicy", 60)
+
+
+def test_the_operator_sigkilled_mid_scale_makes_no_duplicate_and_counts_exactly(
+    real: RealEnv,
+) -> None:
+    real.start_operator()
+    real.create_job("kappa", replicas=2, maxReplicas=8)
+    real.run_pods("kappa")
+    real.scale("kappa", 8)
+    time.sleep(0.3)  # mid-pass: some of the six pods are created, some not yet
+    real.stop_operator(signal.SIGKILL)
+    real.start_operator()
+    wait_for(lambda: len(live(real, "kappa")) == 8, "8 pods", timeout=60)
+    real.run_pods("kappa", timeout=90)
+    wait_for(lambda: real.status("kappa").get("readyReplicas") == 8, "8 ready", timeout=60)
+    time.sleep(2)
+    names = sorted(p["metadata"]["name"] for p in real.pods("kappa"))
+    assert names == [f"kappa-worker-{i}" for i in range(8)]
+    assert real.pod_creations() == 8, "a pod was created twice (409s are not counted)"
+    assert counts(real, "kappa") == (0, 0)
+    assert real.status("kappa")["failures"] == []
+
+
+def test_pod0s_node_lost_it_is_force_deleted_and_replaced_uncharged(real: RealEnv) -> None:
+    """The real node lifecycle controller notices, the taint eviction controller evicts with
+    DisruptionTarget; no kubelet confirms, so the pod stays Terminating; the operator counts it
+    once (NodeLost, not charged), force-deletes it at its bound and creates pod 0 again."""
+    real.start_operator()
+    tolerations = [
+        {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 2}
+        for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+    ]
+    template = real.manifest("iota", real.namespace)["spec"]["template"]
+    template["spec"]["tolerations"] = tolerations
+    template["spec"]["terminationGracePeriodSeconds"] = 3
+    template["spec"]["affinity"] = {  # one pod per node: losing pod 0's node loses it alone
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": {"ddpjob.io/job-name": "iota"}},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
+    }
+    real.fake_trainer = False  # the template is already the fake one
+    real.create_job("iota", forceDeleteAfterSeconds=3, template=template)
+    real.fake_trainer = True
+    real.run_pods("iota")
+    old = real.pod("iota-worker-0")
+    assert old is not None
+    node = old["spec"]["nodeName"]
+    survivor = real.pod("iota-worker-1")
+    assert survivor is not None
+    lost_at = time.monotonic()
+    real.k.lose_node(node)
+
+    def terminating() -> JSON | None:
+        pod = real.pod("iota-worker-0")
+        if pod is None or pod["metadata"]["uid"] != old["metadata"]["uid"]:
+            return None
+        return pod if pod["metadata"].get("deletionTimestamp") else None
+
+    evicted = wait_for(terminating, "the taint eviction controller's delete", timeout=60)
+    reasons = {c["type"]: c.get("reason") for c in evicted["status"]["conditions"]}
+    assert reasons.get("DisruptionTarget") == "DeletionByTaintManager", reasons
+    new = real.replacement(old, "pod 0 force-deleted and created again", timeout=90)
+    elapsed = time.monotonic() - lost_at
+    status = real.status("iota")
+    assert [f["reason"] for f in status["failures"]] == ["NodeLost"]
+    assert counts(real, "iota") == (1, 0)
+    assert new["metadata"]["name"] == "iota-worker-0"
+    assert survivor["spec"]["nodeName"] != node
+    current = real.pod("iota-worker-1")
+    assert current is not None and current["metadata"]["uid"] == survivor["metadata"]["uid"]
+    print(f"node lost -> pod 0 replaced: {elapsed:.1f}s")
+    time.sleep(2)
+    assert counts(real, "iota") == (1, 0), "counted once"
