@@ -303,3 +303,53 @@ def test_a_lost_node_is_marked_and_its_pods_evicted_by_the_real_controllers(
     time.sleep(3)
     still = get(kube, "lost")
     assert still is not None and still["status"]["phase"] == "Running", "no kubelet confirms it"
+
+
+def test_a_terminating_pod_stays_resolvable_until_it_is_gone(kube: KubeTest) -> None:
+    """With ``publishNotReadyAddresses`` (ddpjob's headless Service), the EndpointSlice
+    controller keeps a terminating pod's address, so its name resolves to the dying pod for
+    its whole grace period: pod 0's DNS name points at the old store host until the old pod
+    is gone, and only then can its replacement (same name) be created (issue 14, point 21)."""
+    kube.api.create(
+        f"/api/v1/namespaces/{kube.namespace}/services",
+        {
+            "metadata": {"name": "lag"},
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": {"app": "lag"},
+                "ports": [{"name": "x", "port": 80}],
+            },
+        },
+    )
+    stubborn = "trap '' TERM; while true; do sleep 0.1; done"
+    create(
+        kube,
+        pod(
+            "p0", "sh", "-c", stubborn, hostname="p0", subdomain="lag",
+            terminationGracePeriodSeconds=6, metadata={"labels": {"app": "lag"}},
+        ),
+    )  # fmt: skip
+    old_ip = phase(kube, "p0", "Running")["status"]["podIP"]
+    name = f"p0.lag.{kube.namespace}.svc.cluster.local"
+    wait_for(lambda: resolve(kube, name) == [old_ip], "the name resolves to the pod")
+    deleted = time.monotonic()
+    kube.api.delete(f"/api/v1/namespaces/{kube.namespace}/pods/p0")
+    answers: list[tuple[float, list[str]]] = []
+    while get(kube, "p0") is not None and time.monotonic() - deleted < 30:
+        answers.append((time.monotonic() - deleted, resolve(kube, name)))
+        time.sleep(0.5)
+    gone = time.monotonic() - deleted
+    resolvable = [t for t, ips in answers if ips == [old_ip]]
+    print(f"terminating pod resolvable for {max(resolvable, default=0):.1f}s of {gone:.1f}s")
+    assert gone >= 6, "the grace period was not honoured"
+    assert resolvable and max(resolvable) >= 4, answers
+    wait_for(lambda: resolve(kube, name) == [], "the name gone with the pod", timeout=10)
+
+
+def resolve(kube: KubeTest, name: str) -> list[str]:
+    """A query to the cluster DNS, as a pod's resolver asks it."""
+    from dnslib import DNSRecord  # noqa: PLC0415
+
+    answer = DNSRecord.parse(DNSRecord.question(name).send(kube.cluster.dns_ip, 53, timeout=2))
+    return sorted(str(record.rdata) for record in answer.rr)

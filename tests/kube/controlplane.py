@@ -241,6 +241,11 @@ class ControlPlane:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> ControlPlane:
+        if os.geteuid() != 0:
+            raise ControlPlaneError(
+                "the process kubelets need root (a PID and mount namespace per node, mounts and "
+                "hostnames per container, pod addresses on lo): run as root, e.g. sudo -E make test"
+            )
         self.bin_dir = build.build()
         self.fakepod_dir.mkdir(parents=True, exist_ok=True)
         self.images = [*self.images, runtime.fake_trainer_image(self.fakepod_dir)]
