@@ -24,11 +24,12 @@ Lifecycle of a job (``status.phase``)::
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import decimal
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, Self
 
 import pydantic
@@ -495,6 +496,9 @@ class ConditionType(enum.StrEnum):
     SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    INVALID_SPEC = "InvalidSpec"
+    """True while the operator cannot parse the spec (it then acts on nothing). Not terminal:
+    fixing the spec clears it and the job goes on."""
 
 
 class Condition(_Model):
@@ -518,7 +522,9 @@ class PodFailure(_Model):
 
     ``reason`` is one of ``Preempted``, ``Evicted``, ``OOMKilled``, ``NodeLost``, ``Deleted`` or
     ``ExitCode(n)`` (read leniently: another version may write others). ``charged`` says
-    whether it counted against ``backoffLimit``.
+    whether it counted against ``backoffLimit``; ``started`` whether the trainer had started
+    (a pod the kubelet rejected at admission never did: its replacement waits, see
+    ``reconcile``).
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -531,6 +537,7 @@ class PodFailure(_Model):
     message: str = ""
     node: str | None = None
     charged: bool
+    started: bool = True
     time: dt.datetime
 
 
@@ -723,6 +730,46 @@ def parse_job(document: object, source: str = "<input>") -> DDPJob:
             if problem not in problems:
                 problems.append(problem)
         raise SpecError(source, problems) from exc
+
+
+def parse_job_lenient(document: object, source: str = "<input>") -> tuple[DDPJob, list[str]]:
+    """:func:`parse_job` for the operator: fields this version does not know are ignored (and
+    returned, as paths), the way Kubernetes clients skip fields of a newer API.
+
+    A newer CRD defaults its new fields on every read, so an operator that refused unknown
+    fields would find every job invalid after the CRD upgrade. Every other problem still
+    raises :class:`SpecError`.
+    """
+    if not isinstance(document, Mapping):
+        return parse_job(document, source), []
+    data = copy.deepcopy(dict(document))
+    ignored: list[str] = []
+    for _ in range(32):  # each round drops what the last validation reported
+        try:
+            return DDPJob.model_validate(data), ignored
+        except pydantic.ValidationError as exc:
+            extra = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
+            if not extra:
+                break
+            for loc in extra:
+                if _drop(data, loc):
+                    ignored.append(_path(tuple(loc)))
+    return parse_job(data, source), ignored
+
+
+def _drop(data: Any, loc: Sequence[int | str]) -> bool:
+    """Delete the value at ``loc`` (pydantic's union tags, which are no keys, are skipped)."""
+    node = data
+    for part in loc[:-1]:
+        in_map = isinstance(node, Mapping) and part in node
+        in_list = isinstance(node, list) and isinstance(part, int) and part < len(node)
+        if in_map or in_list:
+            node = node[part]
+    last = loc[-1]
+    if isinstance(node, dict) and last in node:
+        del node[last]
+        return True
+    return False
 
 
 def job_selector(job_name: str) -> str:

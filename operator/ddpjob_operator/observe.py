@@ -12,8 +12,12 @@ Pods are read the way the kubelet and the controllers write them:
   an ordinary (non-native) sidecar keeps the pod ``Running``;
 * ``DisruptionTarget`` conditions and the pod's ``status.reason`` are mapped with exact tables;
 * ``deletionTimestamp`` is when the grace period ends, so a pod still there well after it is
-  stuck (its node is lost);
-* a pod carries :data:`~ddpjob_operator.api.POD_FINALIZER` until its outcome is counted.
+  stuck (its node is lost); it is *not* always the deletion request plus the grace period (see
+  :func:`_failed_before_deletion`);
+* a pod carries :data:`~ddpjob_operator.api.POD_FINALIZER` until its outcome is counted;
+* a pod belongs to the DDPJob its controller owner reference names (``owner_uid``), not to any
+  job of the name its label gives: a job re-created under the same name must not adopt the pods
+  of the one before.
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ STATUS_REASONS: Mapping[str, Reason] = {
 """A failed pod's ``status.reason``, set by the kubelet or the node controller. Reasons of the
 form ``OutOf<resource>`` (kubelet admission) read as ``Evicted`` too."""
 
+DELETION_CLAMP_SLACK = dt.timedelta(seconds=30)
+"""How long before ``deletionTimestamp`` a trainer must have ended to count as ended before a
+deletion whose request time is unknown (see :func:`_failed_before_deletion`)."""
+
 BENIGN_WAITING = frozenset({"ContainerCreating", "PodInitializing"})
 """Waiting reasons that are part of every start: not reported as trouble."""
 
@@ -100,7 +108,10 @@ class ObservedPod:
     the trainer, ended the pod. ``deletion_timestamp`` is Kubernetes': when the grace period of
     a requested deletion ends. ``tracked``: the pod still carries our finalizer, so its outcome
     has not been counted and removed from our books yet. ``world_size`` is what the pod's agent
-    reports, when known.
+    reports, when known. ``owner_uid`` is the uid of the pod's controller (its owner reference
+    with ``controller: true``): ``""`` when it has none, ``None`` when unknown (the local runner,
+    whose pods have no owner references). ``started``: the trainer container ever started (a pod
+    the kubelet rejected at admission never did).
     """
 
     name: str
@@ -122,6 +133,8 @@ class ObservedPod:
     waiting_reason: str | None = None
     waiting_message: str = ""
     sidecars_running: bool = False
+    owner_uid: str | None = None
+    started: bool = True
 
     @property
     def live(self) -> bool:
@@ -140,9 +153,15 @@ class ObservedPod:
 
     @property
     def deletion_requested_at(self) -> dt.datetime | None:
+        """When the deletion was requested, at the latest (exact unless a later, shorter delete
+        was clamped: see :func:`_failed_before_deletion`)."""
         if self.deletion_timestamp is None:
             return None
         return self.deletion_timestamp - dt.timedelta(seconds=self.deletion_grace_seconds or 0)
+
+    def owned_by(self, job_uid: str | None) -> bool:
+        """The pod is this job's: its controller is the job (or ownership is unknown)."""
+        return self.owner_uid is None or job_uid is None or self.owner_uid == job_uid
 
 
 def _disruption_reason(raw: str) -> Reason | None:
@@ -156,14 +175,28 @@ def _disruption_reason(raw: str) -> Reason | None:
 
 
 def _failed_before_deletion(pod: ObservedPod) -> bool:
-    """The trainer had already terminated when someone asked to delete the pod."""
-    requested = pod.deletion_requested_at
-    return (
-        pod.phase.terminated
-        and pod.finished_at is not None
-        and requested is not None
-        and pod.finished_at < requested
-    )
+    """The trainer had already terminated when someone asked to delete the pod.
+
+    A deletion's request time is ``deletionTimestamp - deletionGracePeriodSeconds`` only while
+    no later delete shortened the grace period into the past: since Kubernetes 1.33 the API
+    server then sets ``deletionTimestamp`` to the time of that later delete and the grace period
+    to 0 (or 1), instead of moving the timestamp into the past. The kubelet's own final delete,
+    once the containers are gone, is such a delete, so a pod whose deletion the kubelet carried
+    out carries the time it did so, which is always after the trainer was killed. With a grace
+    period of 2 s or more the request time is exact. With 0 or 1 it is at most the timestamp,
+    and the trainer counts as ended before the deletion only if it ended well before
+    (:data:`DELETION_CLAMP_SLACK`): a kubelet confirms within seconds of the kill. A pod that
+    failed on its own and was deleted by someone within that slack, before the operator saw it
+    fail, counts as Deleted (not charged): the opposite mistake would charge, or under
+    ``restartPolicy: ExitCode`` fail, a job for a deletion.
+    """
+    timestamp = pod.deletion_timestamp
+    if not pod.phase.terminated or pod.finished_at is None or timestamp is None:
+        return False
+    grace = pod.deletion_grace_seconds
+    if grace is not None and grace > 1:
+        return pod.finished_at < timestamp - dt.timedelta(seconds=grace)
+    return pod.finished_at < timestamp - DELETION_CLAMP_SLACK
 
 
 def classify(pod: ObservedPod) -> str:
@@ -285,6 +318,14 @@ def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
         (None, "") if phase.terminated else _waiting(status, conditions)
     )
     grace = meta.get("deletionGracePeriodSeconds")
+    controller = next(
+        (
+            o
+            for o in meta.get("ownerReferences") or []
+            if isinstance(o, Mapping) and o.get("controller")
+        ),
+        None,
+    )
     return ObservedPod(
         name=str(meta.get("name", "")),
         index=int(index_text),
@@ -304,4 +345,13 @@ def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
         waiting_reason=waiting_reason,
         waiting_message=waiting_message[:500],
         sidecars_running=phase.terminated and not k8s_phase.terminated,
+        owner_uid=str(controller.get("uid") or "") if controller is not None else "",
+        started=_started(trainer),
     )
+
+
+def _started(trainer: Mapping[str, Any]) -> bool:
+    """The trainer container ran at some point (it has, or had, a running or terminated state)."""
+    state = trainer.get("state") or {}
+    last = trainer.get("lastState") or {}
+    return "running" in state or "terminated" in state or "terminated" in last

@@ -41,6 +41,20 @@ do, and the rules read the buckets. Every classification rule lives in
 * A pod still Terminating ``forceDeleteAfterSeconds`` after its grace period ended (its node is
   lost; no kubelet will confirm) is force-deleted, and the pass asks to be requeued when that is
   due, so the job never wedges (kubeflow trainer#2072).
+* Only the job's own pods count: a pod whose controller is another object (an earlier job of
+  the same name, still being deleted) or none is never counted or adopted; its name is not
+  reused until it is gone, and our finalizer, if it has one, is removed (its job is gone).
+* A pod whose trainer never started (the kubelet rejected it at admission: ``OutOfcpu``,
+  ``UnexpectedAdmissionError``...) is replaced after a delay that doubles with each such failure
+  in a row of that index (10 s, 20 s ... 5 min), not at once: the same node would reject it
+  again in a tight loop.
+* Sizes stay bounded however large the job: ``status.waiting`` lists at most
+  :data:`MAX_WAITING` pods (the Running condition counts all of them, by reason), a pass emits
+  at most :data:`MAX_EVENT_PODS` events of a kind (then one that sums up the rest), and it adds
+  at most :data:`MAX_NEW_ACCOUNTED` uids to ``accountedPods`` (as the Job controller bounds
+  ``uncountedTerminatedPods``): the rest is counted or deleted in the next passes.
+* A job that an older operator marked ``Failed`` only because its spec did not parse
+  (``InvalidSpec``: it was never terminal) is taken up again once the spec parses.
 """
 
 from __future__ import annotations
@@ -62,9 +76,22 @@ from ddpjob_operator.api import (
     PodWaiting,
     RestartPolicy,
 )
-from ddpjob_operator.observe import DISRUPTIONS, ObservedPod, PodPhase, classify
+from ddpjob_operator.observe import DISRUPTIONS, ObservedPod, PodPhase, Reason, classify
 
 JSON = dict[str, Any]
+
+MAX_WAITING = 20
+"""Pods listed in ``status.waiting`` (lowest indices first); the Running condition counts all."""
+MAX_EVENT_PODS = 10
+"""Events of one kind a pass emits pod by pod; one more sums up the rest."""
+MAX_NEW_ACCOUNTED = 500
+"""Uids a pass may add to ``status.accountedPods`` (counted pods and our own deletions)."""
+NEVER_STARTED_BACKOFF = (10.0, 300.0)
+"""Replacing a pod whose trainer never started: the first delay, and the cap (doubling)."""
+INVALID_SPEC = "InvalidSpec"
+"""The condition (and reason) of a spec the operator cannot parse; never terminal."""
+DEFERRED_REQUEUE = 1.0
+"""Seconds until the next pass when this one left work for it (the per-pass bounds)."""
 
 
 class DeleteWhy(enum.StrEnum):
@@ -191,25 +218,42 @@ class Buckets:
     """Being deleted, and already accounted (ours, or counted on an earlier pass)."""
     terminating_by_others: tuple[ObservedPod, ...]
     """Being deleted by someone else, first seen now: a failure (Deleted or a disruption)."""
+    deferred: tuple[ObservedPod, ...] = ()
+    """Tracked and ended, not yet in the status, and left for the next pass (the per-pass
+    bound): never deleted before they are counted."""
 
     @property
     def live(self) -> tuple[ObservedPod, ...]:
         return self.active + self.surplus
 
 
-def sort_pods(pods: Sequence[ObservedPod], accounted: Iterable[str], desired: int) -> Buckets:
+def sort_pods(
+    pods: Sequence[ObservedPod],
+    accounted: Iterable[str],
+    desired: int,
+    limit: int | None = None,
+) -> Buckets:
+    """The buckets; at most ``limit`` pods are counted in this pass (the others wait for the
+    next one, and a failed one among them is not deleted before it is counted)."""
     done = set(accounted)
     ordered = sorted(pods, key=lambda p: (p.index, p.name))
-    uncounted = tuple(p for p in ordered if p.tracked and p.ended and p.uid not in done)
+    candidates = tuple(p for p in ordered if p.tracked and p.ended and p.uid not in done)
+    uncounted = candidates if limit is None else candidates[: max(0, limit)]
     fresh = {p.uid for p in uncounted}
+    deferred = {p.uid for p in candidates} - fresh
     return Buckets(
         active=tuple(p for p in ordered if p.live and p.index < desired),
         surplus=tuple(p for p in ordered if p.live and p.index >= desired),
         succeeded=tuple(p for p in ordered if p.phase is PodPhase.SUCCEEDED),
-        failed=tuple(p for p in ordered if p.phase is PodPhase.FAILED and not p.deleting),
+        failed=tuple(
+            p
+            for p in ordered
+            if p.phase is PodPhase.FAILED and not p.deleting and p.uid not in deferred
+        ),
         uncounted=uncounted,
-        terminating_by_us=tuple(p for p in ordered if p.deleting and p.uid not in fresh),
+        terminating_by_us=tuple(p for p in ordered if p.deleting and p.uid not in fresh | deferred),
         terminating_by_others=tuple(p for p in ordered if p.deleting and p.uid in fresh),
+        deferred=tuple(p for p in candidates if p.uid in deferred),
     )
 
 
@@ -249,6 +293,7 @@ def _account(
                 message=pod.message,
                 node=pod.node,
                 charged=_charged(reason, job.spec.restart_policy),
+                started=pod.started,
                 time=now,
             )
         )
@@ -263,6 +308,41 @@ def _account(
         }
     )
     return status, new
+
+
+def _failure_events(
+    job: api.DDPJob, failures: Sequence[PodFailure], status: DDPJobStatus
+) -> list[Event]:
+    """One event per failure, at most :data:`MAX_EVENT_PODS`, then one for the rest."""
+    events = [_failure_event(job, f, status) for f in failures[:MAX_EVENT_PODS]]
+    rest = failures[MAX_EVENT_PODS:]
+    if rest:
+        reasons = _counted(f.reason for f in rest)
+        charged = sum(f.charged for f in rest)
+        events.append(
+            Event(
+                "Warning",
+                "PodFailed",
+                f"{len(rest)} more pods failed ({reasons}; {charged} charged, "
+                f"{status.backoff_count}/{job.spec.backoff_limit} of backoffLimit)",
+            )
+        )
+    return events
+
+
+def _counted(items: Iterable[str]) -> str:
+    """``"Preempted x3, Evicted x1"``: the most frequent first."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{item} x{n}" for item, n in ordered)
+
+
+def _some(names: Sequence[str], limit: int = MAX_EVENT_PODS) -> str:
+    """At most ``limit`` names, then how many more."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _failure_event(job: api.DDPJob, failure: PodFailure, status: DDPJobStatus) -> Event:
@@ -343,8 +423,24 @@ class _Verdict:
 
 
 def _waiting_summary(waiting: Sequence[PodWaiting]) -> str:
-    parts = [f"{w.pod} {w.reason}" + (f" ({w.message})" if w.message else "") for w in waiting]
-    return "; waiting: " + "; ".join(parts) if parts else ""
+    """Every waiting pod, by reason, with the first one's message: bounded in size."""
+    if not waiting:
+        return ""
+    if len(waiting) <= 3:
+        parts = [f"{w.pod} {w.reason}" + (f" ({w.message})" if w.message else "") for w in waiting]
+        return "; waiting: " + "; ".join(parts)
+    groups: dict[str, list[PodWaiting]] = {}
+    for entry in waiting:
+        groups.setdefault(entry.reason, []).append(entry)
+    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    parts = []
+    for reason, entries in ordered[:3]:
+        first = entries[0]
+        example = f"{first.pod}: {first.message}" if first.message else first.pod
+        parts.append(f"{len(entries)} pods {reason} (e.g. {example})")
+    if len(ordered) > 3:
+        parts.append(f"{sum(len(e) for _, e in ordered[3:])} pods for other reasons")
+    return f"; waiting: {len(waiting)} pods: " + "; ".join(parts)
 
 
 def _failure_verdict(
@@ -353,6 +449,7 @@ def _failure_verdict(
     status: DDPJobStatus,
     now: dt.datetime,
     running: int,
+    waiting: Sequence[PodWaiting],
 ) -> _Verdict | None:
     spec = job.spec
     for failure in new:
@@ -378,7 +475,7 @@ def _failure_verdict(
         return _Verdict(
             JobPhase.FAILED,
             "DeadlineExceeded",
-            f"the job ran longer than {deadline}s{_waiting_summary(status.waiting)}",
+            f"the job ran longer than {deadline}s{_waiting_summary(waiting)}",
         )
     timeout = spec.rendezvous.join_timeout_seconds
     since = status.below_min_since
@@ -387,7 +484,7 @@ def _failure_verdict(
             JobPhase.FAILED,
             "BelowMinReplicas",
             f"only {running} of minReplicas {spec.effective_min} pods ran for longer than "
-            f"rendezvous.joinTimeoutSeconds ({timeout}s){_waiting_summary(status.waiting)}",
+            f"rendezvous.joinTimeoutSeconds ({timeout}s){_waiting_summary(waiting)}",
         )
     return None
 
@@ -484,17 +581,26 @@ def _suspend(
     status: DDPJobStatus,
     now: dt.datetime,
     events: list[Event],
+    room: int,
 ) -> Decision:
     """Delete every pod that holds resources (or failed); keep Succeeded ones: a completing job
-    stays completing."""
+    stays completing. A failed pod is deleted only once it is counted."""
+    deferred = {p.uid for p in buckets.deferred}
     doomed = [
-        p for p in pods if not p.deleting and (p.holds_resources or p.phase is PodPhase.FAILED)
+        p
+        for p in pods
+        if not p.deleting
+        and p.uid not in deferred
+        and (p.holds_resources or p.phase is PodPhase.FAILED)
     ]
-    actions: list[Action] = [
+    wanted: list[Action] = [
         DeletePod(p.name, p.uid, p.index, DeleteWhy.SUSPEND)
         for p in sorted(doomed, key=lambda p: -p.index)
     ]
+    actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), room)
     stuck, requeue = _force_stuck(job, pods, now)
+    if held_back or deferred:
+        requeue = _sooner(requeue, DEFERRED_REQUEUE)
     actions += stuck
     accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
     conditions = set_condition(
@@ -549,44 +655,143 @@ def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
 
 def _waiting_events(old: Sequence[PodWaiting], new: Sequence[PodWaiting]) -> list[Event]:
     before = {(w.pod, w.reason) for w in old}
-    return [
+    fresh = [w for w in new if (w.pod, w.reason) not in before]
+    events = [
         Event("Warning", "PodWaiting", f"pod {w.pod} cannot start: {w.reason}: {w.message}")
-        for w in new
-        if (w.pod, w.reason) not in before
+        for w in fresh[:MAX_EVENT_PODS]
     ]
+    rest = fresh[MAX_EVENT_PODS:]
+    if rest:
+        events.append(
+            Event(
+                "Warning",
+                "PodWaiting",
+                f"{len(rest)} more pods cannot start ({_counted(w.reason for w in rest)})",
+            )
+        )
+    return events
 
 
 def _names(actions: Iterable[Action], kind: type[CreatePod] | type[DeletePod]) -> str:
-    return ", ".join(a.name for a in actions if isinstance(a, kind))
+    return _some([a.name for a in actions if isinstance(a, kind)])
+
+
+def _never_started_backoff(
+    failures: Sequence[PodFailure], index: int
+) -> tuple[int, PodFailure | None, float]:
+    """Failures of pod ``index`` in a row (the newest first) whose trainer never started, the
+    newest of them, and how long after it the replacement waits."""
+    streak: list[PodFailure] = []
+    for failure in reversed(failures):
+        if failure.index != index:
+            continue
+        if failure.started or failure.reason == Reason.DELETED:
+            break
+        streak.append(failure)
+    if not streak:
+        return 0, None, 0.0
+    first, cap = NEVER_STARTED_BACKOFF
+    return len(streak), streak[0], min(first * 2 ** (len(streak) - 1), cap)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the running job needs, and what holds some of it back."""
+
+    actions: list[Action]
+    waiting: list[PodWaiting]
+    due: float | None = None
 
 
 def _run_actions(
     job: api.DDPJob,
     pods: Sequence[ObservedPod],
+    foreign: Sequence[ObservedPod],
     buckets: Buckets,
     service: bool,
     completing: bool,
+    status: DDPJobStatus,
+    now: dt.datetime,
     network: builders.Network,
     default_profile: api.SecurityProfile,
-) -> list[Action]:
-    """Service, replacements, scale-down (highest index first), then missing pods."""
-    actions: list[Action] = []
+) -> _Plan:
+    """Service, replacements, scale-down (highest index first), then missing pods: not under a
+    name another object's pod still holds, nor before a never-started pod's backoff is over."""
+    plan = _Plan(actions=[], waiting=[])
     if not service:
-        actions.append(CreateService(builders.build_service(job)))
+        plan.actions.append(CreateService(builders.build_service(job)))
     if completing:
-        return actions  # nothing is created or replaced once a pod has succeeded
+        return plan  # nothing is created or replaced once a pod has succeeded
     present = {p.index for p in pods}
-    actions += [DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in buckets.failed]
-    actions += [
+    plan.actions += [DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in buckets.failed]
+    plan.actions += [
         DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
         for p in sorted(buckets.surplus, key=lambda p: -p.index)
     ]
-    actions += [
-        CreatePod(i, builders.build_pod(job, i, network, default_profile))
-        for i in range(desired_replicas(job.spec))
-        if i not in present
-    ]
-    return actions
+    held = {p.index: p for p in foreign}
+    for i in range(desired_replicas(job.spec)):
+        if i in present:
+            continue
+        if i in held:
+            plan.waiting.append(_held(held[i]))
+            continue
+        streak, last, delay = _never_started_backoff(status.failures, i)
+        if last is not None:
+            left = (last.time + dt.timedelta(seconds=delay) - now).total_seconds()
+            if left > 0:
+                plan.due = _sooner(plan.due, left)
+                plan.waiting.append(
+                    PodWaiting(
+                        pod=builders.pod_name(job.name, i),
+                        reason="BackOff",
+                        message=(
+                            f"its last {streak} pods never started (last: {last.reason}"
+                            + (f": {last.message}" if last.message else "")
+                            + f"); the next one is created in {left:.0f}s"
+                        )[:500],
+                    )
+                )
+                continue
+        plan.actions.append(CreatePod(i, builders.build_pod(job, i, network, default_profile)))
+    return plan
+
+
+def _held(pod: ObservedPod) -> PodWaiting:
+    """The name is taken by a pod that is not this job's."""
+    if pod.owner_uid:
+        why = (
+            f"pod {pod.name} of another owner (uid {pod.owner_uid}, most likely an earlier job "
+            "of this name) still holds the name; this job's pod is created once it is gone"
+        )
+    else:
+        why = (
+            f"pod {pod.name} has no owner (orphaned?) and holds the name; delete it to let this "
+            "job create its pod"
+        )
+    return PodWaiting(pod=pod.name, reason="NameInUse", message=why)
+
+
+def _release_foreign(foreign: Sequence[ObservedPod]) -> list[Action]:
+    """Our finalizer on a pod that is not this job's: its own job is gone, nobody counts it."""
+    return [RemoveFinalizer(p.name, p.uid, p.index) for p in foreign if p.tracked]
+
+
+def _limit_deletes(
+    actions: Sequence[Action], pods: Sequence[ObservedPod], accounted: set[str], room: int
+) -> tuple[list[Action], bool]:
+    """Keep at most ``room`` deletions of tracked pods not accounted yet (each adds a uid to
+    ``accountedPods``); True when some were left for the next pass."""
+    tracked = {p.uid for p in pods if p.tracked}
+    kept: list[Action] = []
+    deferred = False
+    for action in actions:
+        if isinstance(action, DeletePod) and action.uid in tracked - accounted:
+            if room <= 0:
+                deferred = True
+                continue
+            room -= 1
+        kept.append(action)
+    return kept, deferred
 
 
 def _action_events(job: api.DDPJob, actions: Sequence[Action]) -> list[Event]:
@@ -648,8 +853,9 @@ def reconcile(
     default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
 ) -> Decision:
     """Decide what the job needs now. Pure and deterministic."""
-    pods = observed.pods
     spec = job.spec
+    pods = tuple(p for p in observed.pods if p.owned_by(job.metadata.uid))
+    foreign = tuple(p for p in observed.pods if not p.owned_by(job.metadata.uid))
     status = job.status.model_copy(
         update={
             "observed_generation": job.metadata.generation,
@@ -658,17 +864,21 @@ def reconcile(
     )
     events: list[Event] = []
     if job.metadata.deletion_timestamp is not None:
-        return _being_deleted(job, pods, status)
+        return _being_deleted(job, observed.pods, status)
+    status = _spec_parses(status, now)
     if status.phase.is_finished:
-        return _finished(job, pods, status, now, events)
+        return _also(_release_foreign(foreign), _finished(job, pods, status, now, events))
 
     desired = desired_replicas(spec)
-    buckets = sort_pods(pods, status.accounted_pods, desired)
+    room = max(0, MAX_NEW_ACCOUNTED - len(status.accounted_pods))
+    buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
+    room -= len(buckets.uncounted)
     status, new_failures = _account(job, buckets, status, now)
-    events += [_failure_event(job, f, status) for f in new_failures]
+    events += _failure_events(job, new_failures, status)
 
     if spec.suspend:
-        return _suspend(job, pods, buckets, status, now, events)
+        suspended = _suspend(job, pods, buckets, status, now, events, room)
+        return _also(_release_foreign(foreign), suspended)
     if status.phase is JobPhase.SUSPENDED:
         events.append(Event("Normal", "Resumed", "job resumed"))
         conditions = set_condition(
@@ -682,37 +892,44 @@ def reconcile(
     running = sum(p.phase is PodPhase.RUNNING for p in live)
     completing = status.succeeded > 0 or bool(buckets.succeeded)
     phase = _phase(completing, running, spec.effective_min, status.conditions)
-    waiting = _waiting(live)
-    events += _waiting_events(status.waiting, waiting)
+    plan = _run_actions(
+        job,
+        pods,
+        foreign,
+        buckets,
+        observed.service,
+        completing,
+        status,
+        now,
+        network,
+        default_profile,
+    )
+    waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
+    shown = waiting[:MAX_WAITING]
+    events += _waiting_events(status.waiting, shown)
     # The below-minReplicas clock runs only once the job has run (Restarting): pods that never
     # started (slow image pulls, nodes still being provisioned) are reported, not timed out.
     below_since = (status.below_min_since or now) if phase is JobPhase.RESTARTING else None
-    status = status.model_copy(update={"below_min_since": below_since, "waiting": waiting})
+    status = status.model_copy(update={"below_min_since": below_since, "waiting": shown})
 
-    verdict = _failure_verdict(job, new_failures, status, now, running)
+    verdict = _failure_verdict(job, new_failures, status, now, running, waiting)
     if verdict is None and completing and not live:
         verdict = _Verdict(
             JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully"
         )
     if verdict is not None:
-        return _finish(job, pods, status, verdict, now, events)
+        return _also(_release_foreign(foreign), _finish(job, pods, status, verdict, now, events))
 
-    actions = _run_actions(
-        job, pods, buckets, observed.service, completing, network, default_profile
-    )
+    actions, deferred = _limit_deletes(plan.actions, pods, set(status.accounted_pods), room)
     stuck, stuck_due = _force_stuck(job, pods, now)
     actions += stuck
     accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
-    actions += removals
+    actions += removals + _release_foreign(foreign)
     events += _action_events(job, actions)
     conditions = _running_conditions(
         status.conditions, phase, completing, running, desired, spec.effective_min, waiting, now
     )
-    if phase is not status.phase and phase in (JobPhase.RUNNING, JobPhase.RESTARTING):
-        kind: Literal["Normal", "Warning"] = "Normal" if phase is JobPhase.RUNNING else "Warning"
-        events.append(
-            Event(kind, phase.value, f"{running} of {desired} pods running (was {status.phase})")
-        )
+    events += _phase_events(status.phase, phase, running, desired)
     status = status.model_copy(
         update={
             "phase": phase,
@@ -723,8 +940,52 @@ def reconcile(
             "accounted_pods": accounted,
         }
     )
-    requeue = _sooner(_requeue(job, status, now), stuck_due)
+    requeue = _sooner(_sooner(_requeue(job, status, now), stuck_due), plan.due)
+    if deferred or buckets.deferred:
+        requeue = _sooner(requeue, DEFERRED_REQUEUE)
     return Decision(tuple(actions), status, tuple(events), requeue)
+
+
+def _also(actions: Sequence[Action], decision: Decision) -> Decision:
+    return dataclasses.replace(decision, actions=decision.actions + tuple(actions))
+
+
+def _phase_events(old: JobPhase, new: JobPhase, running: int, desired: int) -> list[Event]:
+    if new is old or new not in (JobPhase.RUNNING, JobPhase.RESTARTING):
+        return []
+    kind: Literal["Normal", "Warning"] = "Normal" if new is JobPhase.RUNNING else "Warning"
+    return [Event(kind, new.value, f"{running} of {desired} pods running (was {old})")]
+
+
+def _index_in(job: api.DDPJob, pod_name: str) -> int:
+    suffix = pod_name.removeprefix(builders.pod_name(job.name, 0)[:-1])
+    return int(suffix) if suffix.isdigit() else 0
+
+
+def _spec_parses(status: DDPJobStatus, now: dt.datetime) -> DDPJobStatus:
+    """The spec parses (reconcile runs): clear an InvalidSpec condition, and take up a job an
+    older operator marked Failed only for an invalid spec (that was never terminal)."""
+    conditions = list(status.conditions)
+    if _condition_true(conditions, ConditionType.INVALID_SPEC):
+        conditions = set_condition(
+            conditions, ConditionType.INVALID_SPEC, False, "SpecValid", "", now
+        )
+    failed = next((c for c in conditions if c.type == ConditionType.FAILED), None)
+    update: dict[str, Any] = {"conditions": conditions}
+    if (
+        status.phase is JobPhase.FAILED
+        and failed is not None
+        and failed.status == "True"
+        and failed.reason == INVALID_SPEC
+    ):
+        update["conditions"] = set_condition(
+            conditions, ConditionType.FAILED, False, "SpecValid", "", now
+        )
+        update["phase"] = JobPhase.PENDING
+        update["completion_time"] = None
+    if update["conditions"] == list(status.conditions) and len(update) == 1:
+        return status
+    return status.model_copy(update=update)
 
 
 def _requeue(job: api.DDPJob, status: DDPJobStatus, now: dt.datetime) -> float | None:

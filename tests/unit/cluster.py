@@ -49,6 +49,10 @@ def stamp(t: dt.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _parse(text: str) -> dt.datetime:
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+
+
 @dataclasses.dataclass
 class Cluster:
     job: api.DDPJob
@@ -113,15 +117,32 @@ class Cluster:
     # ---- the API server ---------------------------------------------------------------------
 
     def delete(self, name: str, grace: int | None = None) -> None:
+        """A DELETE as the API server (1.33 and later, ``rest.BeforeDelete``) handles it.
+
+        A pod that is being deleted already only takes a shorter grace period: the timestamp
+        moves back by the difference, but never into the past; if it would, it is now, and the
+        grace period becomes 1 (or stays 0 for a force delete). The kubelet's final delete is
+        such a delete, with grace 0.
+        """
         pod = self.pods[name]
         meta = pod["metadata"]
         seconds = GRACE if grace is None else grace
+        if "deletionTimestamp" in meta:
+            current = meta["deletionGracePeriodSeconds"]
+            if current and seconds < current:
+                requested = _parse(meta["deletionTimestamp"]) - dt.timedelta(seconds=current)
+                when = requested + dt.timedelta(seconds=seconds)
+                if when < self.now:
+                    when, seconds = self.now, (0 if seconds == 0 else 1)
+                meta["deletionTimestamp"] = stamp(when)
+                meta["deletionGracePeriodSeconds"] = seconds
+            self._maybe_remove(name)
+            return
         unscheduled = not pod["spec"].get("nodeName")
         if unscheduled or pod["status"].get("phase") in ("Succeeded", "Failed"):
             seconds = 0
-        if "deletionTimestamp" not in meta or seconds < meta["deletionGracePeriodSeconds"]:
-            meta["deletionTimestamp"] = stamp(self.now + dt.timedelta(seconds=seconds))
-            meta["deletionGracePeriodSeconds"] = seconds
+        meta["deletionTimestamp"] = stamp(self.now + dt.timedelta(seconds=seconds))
+        meta["deletionGracePeriodSeconds"] = seconds
         self._maybe_remove(name)
 
     def _maybe_remove(self, name: str) -> None:
@@ -258,13 +279,24 @@ class Cluster:
             if pod["spec"].get("nodeName") in self.dead_nodes:
                 continue
             if pod["status"].get("phase") in ("Pending", "Running"):
-                self.terminate_trainer(name, 143)
-                for status in pod["status"]["containerStatuses"]:
-                    if "running" in status["state"]:
-                        status["state"] = {"terminated": {"exitCode": 137, "reason": "Error"}}
-                pod["status"]["phase"] = "Failed"
-            pod["_confirmed"] = True
-            self._maybe_remove(name)
+                self.kill_containers(name)
+            self.kubelet_confirm(name)
+
+    def kill_containers(self, name: str, code: int = 143) -> None:
+        """The kubelet stops a deleted pod's containers: the trainer exits ``code``."""
+        pod = self.pods[name]
+        self.terminate_trainer(name, code)
+        for status in pod["status"].get("containerStatuses") or []:
+            if "running" in status["state"]:
+                status["state"] = {"terminated": {"exitCode": 137, "reason": "Error"}}
+        pod["status"]["phase"] = "Failed"
+
+    def kubelet_confirm(self, name: str) -> None:
+        """The kubelet's final delete (grace 0, which the API server clamps to now)."""
+        pod = self.pods[name]
+        pod["_confirmed"] = True
+        self.delete(name, grace=0)
+        self._maybe_remove(name)
 
     def advance(self, seconds: float) -> None:
         self.now += dt.timedelta(seconds=seconds)

@@ -236,10 +236,63 @@ def test_user_deleted_pod_first_seen_failed_is_deleted_not_137() -> None:
 def test_a_pod_that_failed_before_someone_deleted_it_keeps_its_exit_code() -> None:
     world = cluster()
     world.fail(name(1), code=3)
-    world.advance(10)
+    world.advance(60)  # well before: a kubelet's confirmation cannot be that late
     world.delete(name(1))
     decision = world.operator_pass()
     assert [(f.reason, f.charged) for f in decision.status.failures] == [("ExitCode(3)", True)]
+
+
+@pytest.mark.parametrize("second_delete", ["kubelet", "force"])
+def test_a_deletion_first_seen_after_a_clamped_second_delete_is_deleted(
+    second_delete: str,
+) -> None:
+    """Since 1.33 a shorter second delete moves deletionTimestamp to its own time, not into the
+    past (issue 14 point 10): the request time cannot be read back from it. The kubelet's own
+    final delete is such a delete."""
+    world = cluster()
+    world.user_delete(name(1))  # kubectl delete pod: grace 30
+    world.advance(5)
+    world.kill_containers(name(1), code=137)  # the agent took too long: SIGKILL
+    world.pods[name(1)]["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = (
+        stamp(world.now)
+    )
+    world.advance(3)
+    if second_delete == "kubelet":
+        world.kubelet_confirm(name(1))
+    else:
+        world.delete(name(1), grace=0)  # kubectl delete --force
+    meta = world.pods[name(1)]["metadata"]
+    assert (meta["deletionTimestamp"], meta["deletionGracePeriodSeconds"]) == (stamp(world.now), 0)
+    decision = world.operator_pass()  # the operator's first look at it
+    assert [(f.reason, f.charged) for f in decision.status.failures] == [("Deleted", False)]
+
+
+@pytest.mark.parametrize(
+    ("grace", "ended_before", "reason"),
+    [
+        (30, 1, "ExitCode(137)"),  # exact request time: the trainer ended 1 s before it
+        (30, -1, "Deleted"),
+        (2, 1, "ExitCode(137)"),
+        (1, 1, "Deleted"),  # a grace of 0 or 1 may be clamped: only well before counts
+        (0, 5, "Deleted"),
+        (0, 31, "ExitCode(137)"),
+        (1, 31, "ExitCode(137)"),
+    ],
+)
+def test_deletion_request_time_table(grace: int, ended_before: int, reason: str) -> None:
+    requested = T0
+    pod = ObservedPod(
+        name="p",
+        index=1,
+        uid="u",
+        phase=PodPhase.FAILED,
+        deleting=True,
+        deletion_timestamp=requested + dt.timedelta(seconds=grace),
+        deletion_grace_seconds=grace,
+        exit_code=137,
+        finished_at=requested - dt.timedelta(seconds=ended_before),
+    )
+    assert classify(pod) == reason
 
 
 # ---- 5. sidecars ------------------------------------------------------------------------------
