@@ -146,7 +146,9 @@ def render_deploy() -> str:
         "kind": "Namespace",
         "metadata": {
             "name": DEPLOY_NAMESPACE,
-            "labels": {"pod-security.kubernetes.io/enforce": "restricted"},
+            # Baseline, the level the operator's default security profile meets: the operator
+            # serves this namespace, and restricted would refuse every pod of a Baseline job.
+            "labels": {"pod-security.kubernetes.io/enforce": "baseline"},
         },
     }
     header = (
@@ -163,11 +165,21 @@ def write_deploy() -> None:
 # ---- RBAC ----------------------------------------------------------------------------------
 
 
+AGGREGATION_LABEL = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def aggregated(doc: Doc) -> bool:
+    """A ClusterRole that adds to Kubernetes' admin/edit/view roles: for users, not the operator."""
+    labels = (doc.get("metadata") or {}).get("labels") or {}
+    return any(key.startswith(AGGREGATION_LABEL) for key in labels)
+
+
 def rules_of(docs: Iterable[Doc]) -> set[Rule]:
-    """Every (apiGroup, resource, verb) granted by the Roles and ClusterRoles in ``docs``."""
+    """Every (apiGroup, resource, verb) granted to the operator by the Roles and ClusterRoles in
+    ``docs`` (the aggregated ones, for users, excluded)."""
     granted: set[Rule] = set()
     for doc in docs:
-        if doc.get("kind") not in ("Role", "ClusterRole"):
+        if doc.get("kind") not in ("Role", "ClusterRole") or aggregated(doc):
             continue
         for rule in doc.get("rules") or []:
             for group in rule.get("apiGroups") or []:
@@ -186,7 +198,9 @@ KUBE_PY = ROOT / "operator" / "ddpjob_operator" / "kube.py"
 HANDLERS_PY = ROOT / "operator" / "ddpjob_operator" / "handlers.py"
 
 # How the wrappers of KubeApi.request map to HTTP methods.
-_WRAPPERS = {"create": "POST", "_delete": "DELETE"}
+_WRAPPERS = {"create": ("POST", "GET {name}"), "_delete": ("DELETE",)}
+"""How the wrappers of KubeApi.request map to calls on their path: ``create`` posts, and reads
+the object of that name when it exists already (to check its owner)."""
 
 
 def _constants() -> dict[str, str]:
@@ -249,14 +263,19 @@ def api_calls() -> set[tuple[str, str]]:
                 method_node, path_node = call.args[0], call.args[1]
                 if not isinstance(method_node, ast.Constant):
                     continue  # request() calling itself generically: not a call site
-                method = str(method_node.value)
+                methods: tuple[str, ...] = (str(method_node.value),)
             elif attr in _WRAPPERS:
-                method, path_node = _WRAPPERS[attr], call.args[0]
+                methods, path_node = _WRAPPERS[attr], call.args[0]
             else:
                 continue
             if isinstance(path_node, ast.Name) and path_node.id in params:
                 continue  # a wrapper passing its own parameter on: its callers are the sites
-            calls.add((method, _path_template(path_node, local, consts)))
+            path = _path_template(path_node, local, consts)
+            if any(path.startswith(f"{{{p}}}") for p in params):
+                continue  # a wrapper's own call on its parameter path: its callers are the sites
+            for method in methods:
+                verb, _, named = method.partition(" ")
+                calls.add((verb, f"{path}/{named}" if named else path))
     return calls
 
 
@@ -291,6 +310,42 @@ def operator_call_rules() -> set[Rule]:
     """What kube.py's own calls need (every call, whatever the flags)."""
     rules = {_rule_of_call(method, path) for method, path in api_calls()}
     return {r for r in rules if r is not None}
+
+
+def owner_reference_rules() -> set[Rule]:
+    """What OwnerReferencesPermissionEnforcement asks of whoever creates the objects the
+    builders make: ``delete`` on an object created with owner references, and ``update`` on
+    the owner's ``finalizers`` for a reference with ``blockOwnerDeletion``."""
+    from ddpjob_operator import api, builders  # noqa: PLC0415
+
+    job = api.parse_job(
+        {
+            "apiVersion": api.API_VERSION,
+            "kind": api.KIND,
+            "metadata": {"name": "rbac", "namespace": "ns", "uid": "u"},
+            "spec": {
+                "replicas": 1,
+                "template": {"spec": {"containers": [{"name": "t", "image": "x"}]}},
+            },
+        }
+    )
+    plural = {"Pod": ("", "pods"), "Service": ("", "services")}
+    plural["NetworkPolicy"] = ("networking.k8s.io", "networkpolicies")
+    rules: set[Rule] = set()
+    built = [
+        builders.build_pod(job, 0),
+        builders.build_service(job),
+        builders.build_network_policy(job),
+    ]
+    for obj in built:
+        owners = obj["metadata"].get("ownerReferences") or []
+        if owners:
+            rules.add((*plural[obj["kind"]], "delete"))
+        for owner in owners:
+            if owner.get("blockOwnerDeletion"):
+                assert owner["kind"] == api.KIND, owner
+                rules.add((api.GROUP, f"{api.PLURAL}/finalizers", "update"))
+    return rules
 
 
 # kopf handler kinds that put kopf's finalizer on the object (and so patch it).
@@ -348,10 +403,8 @@ def peering_rules(clusterwide: bool) -> set[Rule]:
 def expected_rbac_rules(values: Mapping[str, Any] | None = None) -> set[Rule]:
     """The least privilege for these values, derived from the code (kube.py, handlers.py, kopf)."""
     values = values or {}
-    rules = operator_call_rules() | kopf_rules()
-    if not (values.get("networkPolicy") or {}).get("enabled"):
-        # create_network_policy is only called with --network-policy.
-        rules.discard(("networking.k8s.io", "networkpolicies", "create"))
+    # Every call, whatever the flags: any job may ask for a NetworkPolicy (spec.networkPolicy).
+    rules = operator_call_rules() | kopf_rules() | owner_reference_rules()
     if int(values.get("replicaCount", 1)) > 1:
         rules |= peering_rules(bool(values.get("clusterWide")))
     return rules

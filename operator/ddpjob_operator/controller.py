@@ -33,6 +33,7 @@ from ddpjob_operator.kube import ApiError, ConflictError, KubeApi
 from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 from ddpjob_operator.reconcile import (
+    INVALID_SPEC,
     Action,
     CreatePod,
     CreateService,
@@ -146,6 +147,7 @@ class Controller:
         self._in_flight: dict[Key, float] = {}
         self._policies: set[Key] = set()
         self._expected: dict[Key, Expectations] = {}
+        self._ignored: dict[Key, list[str]] = {}
 
     # ---- wiring from the handlers ---------------------------------------------------------
 
@@ -194,6 +196,7 @@ class Controller:
             self._phases.pop(key, None)
             self._policies.discard(key)
             self._expected.pop(key, None)
+            self._ignored.pop(key, None)
             self.metrics.set_phases(self._phases)
 
     async def run_pass(
@@ -243,10 +246,17 @@ class Controller:
         emit: Emit,
     ) -> float | None:
         try:
-            job = api.parse_job(raw, source=f"DDPJob {key[0]}/{key[1]}")
+            job, ignored = api.parse_job_lenient(raw, source=f"DDPJob {key[0]}/{key[1]}")
         except SpecError as exc:
             await self._invalid(key, raw, exc, logger, emit)
             return None
+        if ignored and self._ignored.get(key) != ignored:
+            logger.warning(
+                "ignoring fields this operator does not know (is the CRD newer than the "
+                "operator?): %s",
+                ", ".join(ignored),
+            )
+        self._ignored[key] = ignored
         records = {r.observed.name: r for r in pods()}
         expected = self._expected.setdefault(key, Expectations())
         expected.prune(time.monotonic(), (r.observed for r in records.values()))
@@ -265,12 +275,14 @@ class Controller:
             self._account_metrics(job, decision)
         self._phases[key] = decision.status.phase
         self.metrics.set_phases(self._phases)
-        await self._ensure_network_policy(key, job)
         try:
-            await self._execute(key, job.metadata.uid or "", decision.actions, records, expected)
+            await self._execute(
+                key, job, decision.actions, records, expected, self._network_policy(key, job)
+            )
         except ActionsFailedError as exc:
             # The API refused something (say, a pod the CRD schema let through but the API
-            # server rejects): tell the user on the job, then retry with backoff.
+            # server rejects, or a NetworkPolicy the operator may not create): tell the user on
+            # the job, then retry with backoff.
             for message in sorted({str(e) for e in exc.errors if isinstance(e, ApiError)}):
                 emit("Warning", "ActionFailed", message)
             raise
@@ -297,58 +309,76 @@ class Controller:
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
         emit: Emit,
     ) -> None:
-        """A job that slipped past the CRD schema: a Failed condition naming the fields."""
+        """A spec that slipped past the CRD schema: an InvalidSpec condition naming the fields.
+
+        Not terminal, and nothing is done to the job's pods: they keep running (and wait, with
+        their tracking finalizer, to be counted) until the spec is fixed or the job deleted, as
+        while no operator runs. The phase stays what it was.
+        """
         message = "; ".join(str(p) for p in error.problems)
+        stated = f"{message} (nothing is done to the job's pods until the spec is fixed)"
         status = dict(raw.get("status") or {})
         generation = raw.get("metadata", {}).get("generation")
-        failed = next(
-            (c for c in status.get("conditions") or [] if c.get("type") == "Failed"), None
-        )
+        conditions = [c for c in status.get("conditions") or [] if isinstance(c, dict)]
+        invalid = next((c for c in conditions if c.get("type") == INVALID_SPEC), None)
         if (
-            failed is not None
-            and failed.get("message") == message
+            invalid is not None
+            and invalid.get("status") == "True"
+            and invalid.get("message") == stated
             and status.get("observedGeneration") == generation
         ):
             return
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        others = [c for c in status.get("conditions") or [] if c.get("type") != "Failed"]
+        since = (
+            invalid.get("lastTransitionTime", now)
+            if invalid is not None and invalid.get("status") == "True"
+            else now
+        )
         status.update(
-            phase=api.JobPhase.FAILED.value,
             observedGeneration=generation,
             conditions=[
-                *others,
+                *(c for c in conditions if c.get("type") != INVALID_SPEC),
                 {
-                    "type": "Failed",
+                    "type": INVALID_SPEC,
                     "status": "True",
-                    "reason": "InvalidSpec",
-                    "message": message,
-                    "lastTransitionTime": now,
+                    "reason": INVALID_SPEC,
+                    "message": stated,
+                    "lastTransitionTime": since,
                 },
             ],
         )
+        status.setdefault("phase", api.JobPhase.PENDING.value)
         await self._write_status(key, raw, status)
         logger.error("invalid DDPJob: %s", message)
-        emit("Warning", "InvalidSpec", message)
+        emit("Warning", INVALID_SPEC, message)
 
-    async def _ensure_network_policy(self, key: Key, job: api.DDPJob) -> None:
+    def _network_policy(self, key: Key, job: api.DDPJob) -> JSON | None:
+        """The job's NetworkPolicy, if it wants one that this operator has not made yet."""
         wanted = job.spec.network_policy
         if wanted is None:
             wanted = self.config.network_policy
         if not wanted or key in self._policies or job.status.phase.is_finished:
-            return
-        await self.kube.create_network_policy(job.namespace, builders.build_network_policy(job))
-        self._policies.add(key)
+            return None
+        return builders.build_network_policy(job)
 
     async def _execute(
         self,
         key: Key,
-        job_uid: str,
+        job: api.DDPJob,
         actions: Iterable[Action],
         records: Mapping[str, PodRecord],
         expected: Expectations,
+        policy: JSON | None = None,
     ) -> None:
-        """Service first; then deletes and finalizer removals; then creations; then the job."""
+        """The Service and the NetworkPolicy first; then deletes and finalizer removals; then
+        creations; then the job.
+
+        Deletes and finalizer removals run even when the Service or the NetworkPolicy could not
+        be made (they only let go of pods). Pods are created only when everything before
+        succeeded: a pod must never start without its DNS name or the policy the job asked for.
+        """
         namespace = key[0]
+        job_uid = job.metadata.uid or ""
         limit = asyncio.Semaphore(CONCURRENCY)
 
         async def bounded(call: Any, remember: Callable[[], None]) -> None:
@@ -368,6 +398,13 @@ class Controller:
             return lambda: expected.created.__setitem__(name, now)
 
         groups: list[list[tuple[Any, Callable[[], None]]]] = [[], [], [], []]
+        if policy is not None:
+            groups[0].append(
+                (
+                    self.kube.create_network_policy(namespace, policy),
+                    lambda: self._policies.add(key),
+                )
+            )
         for action in actions:
             if isinstance(action, CreateService):
                 groups[0].append((self.kube.create_service(namespace, action.service), nothing))
@@ -392,15 +429,20 @@ class Controller:
                 )
             elif isinstance(action, DeleteJob):
                 groups[3].append((self.kube.delete_job(*key, uid=job_uid), nothing))
-        for group in groups:
+        errors: list[BaseException] = []
+        for index, group in enumerate(groups):
             if not group:
+                continue
+            if errors and index >= 2:
+                for call, _ in group:
+                    call.close()  # never awaited: no creation after a failure
                 continue
             results = await asyncio.gather(
                 *(bounded(call, remember) for call, remember in group), return_exceptions=True
             )
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise ActionsFailedError(errors)
+            errors += [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise ActionsFailedError(errors)
 
     async def release_pods(self, namespace: str, job_name: str) -> int:
         """Remove our finalizer from every pod of a job that is going away."""

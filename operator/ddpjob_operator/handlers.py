@@ -6,7 +6,11 @@
   reconcile loop (:meth:`Controller.run_job`). No polling.
 * kopf's own bookkeeping uses our names: the ``ddpjob.io/operator`` finalizer (held while the
   job's daemon runs, so a deleted job's pods are released first), and ``ddpjob.io`` for any
-  progress or diff-base annotation.
+  progress annotation. No diff-base annotation is written: no handler here uses diffs, and
+  kopf's would copy the whole spec into the job's annotations on every spec change.
+* A deleted pod is released (our finalizer removed) right here when no job will count it: its
+  job is gone, is being deleted (a pod created after the job's release list, say while a
+  foreground deletion waits for it), or is another job of the same name.
 * Watch streams have client and server timeouts, so a stream that goes silent is re-opened
   (kopf #810).
 * The liveness probe fails when a reconcile pass has been running for too long.
@@ -16,6 +20,7 @@ The :class:`Controller` comes in through kopf's ``memo`` (set up by ``ddpjob ope
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +29,7 @@ import kopf
 
 from ddpjob_operator import api
 from ddpjob_operator.controller import Controller, PodRecord, pod_record
+from ddpjob_operator.kube import controller_uid
 
 OPERATOR_FINALIZER = "ddpjob.io/operator"
 ANNOTATION_PREFIX = "ddpjob.io"
@@ -34,15 +40,25 @@ JOBS = (api.GROUP, api.VERSION, api.PLURAL)
 OURS = {api.LABEL_JOB: kopf.PRESENT}
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """Stores no diff-base: nothing here reacts to diffs (no on.create/on.update/on.resume
+    handlers), and kopf's annotation would hold a copy of the spec (up to the 256 KiB limit of
+    all annotations, one more write per spec change, a `kubectl scale` included)."""
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 def configure(settings: kopf.OperatorSettings) -> None:
     """Our names and our timeouts, on kopf's settings."""
     settings.persistence.finalizer = OPERATOR_FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATION_PREFIX
     )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX
-    )
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = WATCH_SERVER_TIMEOUT
     settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
     settings.watching.connect_timeout = WATCH_CONNECT_TIMEOUT
@@ -86,9 +102,28 @@ def ddpjob_services(
     return {_key(namespace, labels[api.LABEL_JOB]): name}
 
 
+@dataclasses.dataclass(frozen=True)
+class JobRef:
+    """What the pod handler needs to know of a job: which one, and whether it is going away."""
+
+    uid: str
+    deleting: bool
+
+
 @kopf.index(*JOBS)
-def ddpjobs(namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], bool]:
-    return {_key(namespace, name): True}
+def ddpjobs(
+    namespace: str | None, name: str, meta: kopf.Meta, **_: Any
+) -> dict[tuple[str, str], JobRef]:
+    return {_key(namespace, name): JobRef(str(meta.uid), meta.deletion_timestamp is not None)}
+
+
+def nobody_counts(job: JobRef | None, pod: Mapping[str, Any]) -> bool:
+    """No job will count this pod: its job is gone or going, or the job of that name now is
+    another one (the pod's controller is not it)."""
+    if job is None or job.deleting:
+        return True
+    owner = controller_uid(dict(pod))
+    return owner is not None and owner != job.uid
 
 
 @kopf.on.event("pods", labels=OURS)
@@ -104,15 +139,17 @@ async def pod_changed(
     key = _key(namespace, labels[api.LABEL_JOB])
     controller.wake(key)
     meta = body.get("metadata") or {}
-    jobs: kopf.Index[tuple[str, str], bool] = kwargs["ddpjobs"]
-    # A deleted pod whose job is gone (deleted while this operator was down): nobody else will
-    # release it.
+    jobs: kopf.Index[tuple[str, str], JobRef] = kwargs["ddpjobs"]
+    job = next(iter(jobs.get(key, [])), None)
+    # A deleted pod that no job will count: its job was deleted (while this operator was down,
+    # or it is being deleted and this pod came after the release list), or the job of that name
+    # is a new one. Nobody else would release it.
     if (
-        key not in jobs
-        and meta.get("deletionTimestamp")
+        meta.get("deletionTimestamp")
+        and nobody_counts(job, body)
         and await controller.release_pod(key[0], meta)
     ):
-        logger.info("released pod %s of a job that no longer exists", meta["name"])
+        logger.info("released pod %s, which no job counts", meta["name"])
 
 
 @kopf.on.event("services", labels=OURS)

@@ -6,7 +6,8 @@ requests go out on one aiohttp session, so the operator never blocks its event l
 
 Every call is retried on 429, 5xx and connection errors with capped exponential backoff
 (``Retry-After`` is honoured), and every error is counted by code. The calls are idempotent
-where it matters: creating an object that exists (409 AlreadyExists) is success, deleting one
+where it matters: creating an object that exists (409 AlreadyExists) is success when it has
+the same controller (anything else under the name is an :class:`OwnershipError`), deleting one
 that is gone (404) is success, and deletes carry a uid precondition, so a replacement pod of the
 same name is never deleted by mistake. A stale status write raises :class:`ConflictError`: the
 caller reads the job again and decides again.
@@ -50,6 +51,10 @@ class ApiError(DDPJobError):
 
 class ConflictError(ApiError):
     """409: a stale resourceVersion (or a failed precondition)."""
+
+
+class OwnershipError(ApiError):
+    """An object we create exists already under its name, and is not ours."""
 
 
 class CrdMissingError(DDPJobError):
@@ -220,12 +225,45 @@ class KubeApi:
         )
 
     async def create(self, path: str, body: JSON) -> None:
-        """Create; an object of that name that exists already is fine (idempotent)."""
+        """Create; an object of that name that exists already is fine (idempotent) if it has
+        the same controller (the owner reference with ``controller: true``) as ``body``.
+
+        Anything else under that name (a user's object, or one of an earlier job of the same
+        name that is still being deleted) raises :class:`OwnershipError`, naming it.
+        """
         try:
             await self.request("POST", path, body)
+            return
         except ApiError as exc:
             if exc.status != 409:
                 raise
+        name = str(body["metadata"]["name"])
+        try:
+            existing = await self.request("GET", f"{path}/{name}")
+        except ApiError as exc:
+            if exc.status == 404:  # gone in between: the next pass creates it
+                raise ApiError(409, "Conflict", f"{path}/{name} was being deleted") from exc
+            raise
+        wanted, found = controller_uid(body), controller_uid(existing)
+        if found == wanted:
+            return
+        kind = str(body.get("kind", "object"))
+        namespace = str(body["metadata"].get("namespace", ""))
+        owners: list[JSON] = body["metadata"].get("ownerReferences") or []
+        owner: JSON = next((o for o in owners if o.get("controller")), {})
+        whose = f"{owner.get('kind', '')} {namespace}/{owner.get('name', '')}".strip()
+        if found is None:
+            fix = (
+                f"it has no controller: delete or rename that {kind}, or give the job another name"
+            )
+        else:
+            fix = (
+                f"its controller is another object (uid {found}), most likely an earlier job of "
+                "the same name that is still being deleted: it is retried until that one is gone"
+            )
+        raise OwnershipError(
+            409, "AlreadyExists", f"{kind} {namespace}/{name} exists and is not {whose}'s: {fix}"
+        )
 
     async def create_pod(self, namespace: str, pod: JSON) -> None:
         await self.create(f"/api/v1/namespaces/{namespace}/pods", pod)
@@ -234,9 +272,23 @@ class KubeApi:
         await self.create(f"/api/v1/namespaces/{namespace}/services", service)
 
     async def create_network_policy(self, namespace: str, policy: JSON) -> None:
-        await self.create(
-            f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies", policy
-        )
+        try:
+            await self.create(
+                f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies", policy
+            )
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            name = policy["metadata"]["name"]
+            raise ApiError(
+                403,
+                exc.reason,
+                f"cannot create NetworkPolicy {namespace}/{name}, which the job asks for "
+                f"(spec.networkPolicy, or the operator's --network-policy): {exc}; grant the "
+                "operator get, create and delete on networking.k8s.io networkpolicies (the Helm "
+                "chart does), or set spec.networkPolicy: false. The job's pods are not created "
+                "until the policy exists",
+            ) from exc
 
     async def delete_pod(self, namespace: str, name: str, uid: str, force: bool = False) -> None:
         options: JSON = {"preconditions": {"uid": uid}}
@@ -294,6 +346,14 @@ class KubeApi:
             "GET", f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": selector}
         )
         return list(result.get("items") or [])
+
+
+def controller_uid(obj: JSON) -> str | None:
+    """The uid of the object's controller (its owner reference with ``controller: true``)."""
+    for owner in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if owner.get("controller"):
+            return str(owner.get("uid"))
+    return None
 
 
 def _retryable(status: int) -> bool:

@@ -625,6 +625,14 @@ class Emulator:
         self.by_uid[meta["uid"]] = (store, meta.get("namespace", ""), name)
         self._index_owners(obj, None)
         self._emit(store, "ADDED", obj)
+        for ref in meta.get("ownerReferences") or []:
+            # The real garbage collector deletes every dependent of an owner it deletes in the
+            # foreground, also one created after that deletion began.
+            owner = self._live(ref.get("uid", ""))
+            if owner is not None and "foregroundDeletion" in (
+                owner[1]["metadata"].get("finalizers") or []
+            ):
+                self._call_soon(0, functools.partial(self._collect_dependents, ref["uid"]))
         if defn.plural == "customresourcedefinitions":
             self.register_crd_object(obj)
         if self.auto_kubelet and defn.plural == "pods" and defn.group == "":

@@ -866,6 +866,37 @@ def test_13_owner_reference_garbage_collection(emulator: EmulatorHandle, api: An
         time.sleep(0.02)
     assert emulator.control.get_object("ddpjob.io/v1alpha1/ddpjobs", ns, "owner3") is None
 
+    # Foreground, and a dependent created while the owner waits: the collector deletes it too.
+    job4 = co.create_namespaced_custom_object(*DDPJOB, ns, "ddpjobs", _job("owner4"))
+    early = _pod("fg-early", node="n1")
+    early["metadata"].update(owned(job4))
+    core.create_namespaced_pod(ns, early)
+    co.delete_namespaced_custom_object(
+        *DDPJOB, ns, "ddpjobs", "owner4", propagation_policy="Foreground"
+    )
+    time.sleep(0.1)
+    late = _pod("fg-late", node="n1")
+    late["metadata"].update(owned(job4))
+    core.create_namespaced_pod(ns, late)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        found = emulator.control.get_object("v1/pods", ns, "fg-late")
+        if found is not None and found["metadata"].get("deletionTimestamp"):
+            break
+        time.sleep(0.02)
+    assert (emulator.control.get_object("v1/pods", ns, "fg-late") or {})["metadata"].get(
+        "deletionTimestamp"
+    ), "a dependent created during a foreground deletion is deleted too"
+    for name in ("fg-early", "fg-late"):
+        emulator.control.kubelet_confirm(ns, name)
+    deadline = time.monotonic() + 5
+    while (
+        emulator.control.get_object("ddpjob.io/v1alpha1/ddpjobs", ns, "owner4") is not None
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+    assert emulator.control.get_object("ddpjob.io/v1alpha1/ddpjobs", ns, "owner4") is None
+
 
 def test_kubelet_helpers_and_auto_kubelet(
     emulator: EmulatorHandle, api: Any, ns: str, tmp_path: Path

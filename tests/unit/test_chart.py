@@ -28,6 +28,7 @@ VALUES: dict[str, dict[str, Any]] = {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}
     },
     "network-policy": {"networkPolicy": {"enabled": True}},
+    "no-aggregated-roles": {"rbac": {"create": True, "aggregateToDefaultRoles": False}},
     "everything": {
         "replicaCount": 2,
         "watchNamespaces": ["team-a"],
@@ -236,7 +237,7 @@ def test_metrics_service_and_service_monitor(rendered: dict[str, list[tools.Doc]
 
 
 def test_roles_per_namespace_or_cluster_wide(rendered: dict[str, list[tools.Doc]]) -> None:
-    default = rendered["defaults"]
+    default = [d for d in rendered["defaults"] if not tools.aggregated(d)]
     assert [(d["kind"], d["metadata"]["namespace"]) for d in default if "Role" in d["kind"]] == [
         ("Role", "ddpjob-system"),
         ("RoleBinding", "ddpjob-system"),
@@ -300,8 +301,92 @@ def test_rbac_derivation_sees_the_calls() -> None:
     # What the default install grants, as the chart README's RBAC table lists it.
     assert tools.rendered_rbac_rules() == {
         ("ddpjob.io", "ddpjobs", v) for v in ("get", "list", "watch", "patch", "delete")
-    } | {("ddpjob.io", "ddpjobs/status", "patch"), ("", "services", "list")} | {
-        ("", "services", "watch"),
-        ("", "services", "create"),
-        ("", "events", "create"),
-    } | {("", "pods", v) for v in ("get", "list", "watch", "create", "delete", "patch")}
+    } | {
+        ("ddpjob.io", "ddpjobs/status", "patch"),
+        ("ddpjob.io", "ddpjobs/finalizers", "update"),
+    } | {("", "services", v) for v in ("get", "list", "watch", "create", "delete")} | {
+        ("", "events", "create")
+    } | {("", "pods", v) for v in ("get", "list", "watch", "create", "delete", "patch")} | {
+        ("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "delete")
+    }
+
+
+def test_owner_references_are_allowed_under_owner_reference_permission_enforcement() -> None:
+    """The admission plugin (OpenShift, hardened clusters): an object created with owner
+    references needs delete on it, blockOwnerDeletion needs update on the owner's finalizers."""
+    needed = tools.owner_reference_rules()
+    assert needed == {
+        ("", "pods", "delete"),
+        ("", "services", "delete"),
+        ("networking.k8s.io", "networkpolicies", "delete"),
+        ("ddpjob.io", "ddpjobs/finalizers", "update"),
+    }
+    for name, values in VALUES.items():
+        assert needed <= tools.rendered_rbac_rules(values), name
+
+
+@pytest.mark.parametrize("name", ["defaults", "multi-namespace", "cluster-wide"])
+def test_jobs_may_ask_for_a_network_policy_whatever_the_default(name: str) -> None:
+    """spec.networkPolicy: true works without networkPolicy.enabled (issue 14 point 5)."""
+    granted = tools.rendered_rbac_rules(VALUES[name])
+    assert ("networking.k8s.io", "networkpolicies", "create") in granted
+
+
+def test_namespace_users_get_ddpjobs_through_the_default_roles(
+    rendered: dict[str, list[tools.Doc]],
+) -> None:
+    roles = {d["metadata"]["name"]: d for d in rendered["defaults"] if tools.aggregated(d)}
+    assert set(roles) == {"ddpjob-edit", "ddpjob-view"}
+    edit, view = roles["ddpjob-edit"], roles["ddpjob-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    edits = tools.rules_of([{**edit, "metadata": {"name": "x"}}])
+    assert {("ddpjob.io", "ddpjobs", v) for v in ("create", "update", "patch", "delete")} <= edits
+    assert ("ddpjob.io", "ddpjobs/scale", "patch") in edits  # kubectl scale
+    views = tools.rules_of([{**view, "metadata": {"name": "x"}}])
+    assert all(verb in ("get", "list", "watch") for _, _, verb in views)
+    assert ("ddpjob.io", "ddpjobs", "list") in views
+    # Not bound to anyone by the chart, and never counted as the operator's.
+    bound = {d["roleRef"]["name"] for docs in rendered.values() for d in docs if "roleRef" in d}
+    assert not bound & set(roles)
+    off = tools.render({"rbac": {"create": True, "aggregateToDefaultRoles": False}})
+    assert not [d for d in off if tools.aggregated(d)]
+
+
+def _restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """The restricted Pod Security Standard's checks that the security profiles decide."""
+    spec = pod["spec"]
+    found = []
+    pod_ctx = spec.get("securityContext") or {}
+    for c in spec["containers"] + spec.get("initContainers", []):
+        ctx = c.get("securityContext") or {}
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{c['name']}: allowPrivilegeEscalation != false")
+        if "ALL" not in ((ctx.get("capabilities") or {}).get("drop") or []):
+            found.append(f"{c['name']}: capabilities.drop lacks ALL")
+        if ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is not True:
+            found.append(f"{c['name']}: runAsNonRoot != true")
+    return found
+
+
+def test_deploy_namespace_admits_the_pods_its_operator_makes() -> None:
+    """deploy/ serves its own namespace: its Pod Security level must admit the default profile
+    (issue 14 point 2: restricted refused every pod of a Baseline job)."""
+    from ddpjob_operator import api, builders  # noqa: PLC0415
+
+    from .jobs import job  # noqa: PLC0415
+
+    docs = [d for d in yaml.safe_load_all(tools.DEPLOY_MANIFEST.read_text()) if d]
+    namespace = _one(docs, "Namespace")
+    level = namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    assert _operator_args(docs).namespace == [namespace["metadata"]["name"]]
+    profile = api.SecurityProfile(_operator_args(docs).security_profile)
+    pod = builders.build_pod(job(), 0, default_profile=profile)
+    if level == "restricted":
+        assert _restricted_violations(pod) == []
+    else:
+        assert level in ("baseline", "privileged")
+    # The checker itself: a Restricted pod passes, a Baseline one does not.
+    assert _restricted_violations(builders.build_pod(job(securityProfile="Restricted"), 0)) == []
+    assert _restricted_violations(builders.build_pod(job(), 0))

@@ -82,26 +82,33 @@ namespace and CRD scanning is disabled (settings.scanning.disabled), and API dis
 - apiGroups: ["ddpjob.io"]
   resources: ["ddpjobs/status"]
   verbs: ["patch"]
+# DDPJob finalizers: the owner references of the pods, Services and NetworkPolicies set
+# blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin (OpenShift,
+# hardened clusters) allows only to who may update the owner's finalizers.
+- apiGroups: ["ddpjob.io"]
+  resources: ["ddpjobs/finalizers"]
+  verbs: ["update"]
 # Pods: kopf lists and watches the jobs' pods (label ddpjob.io/job-name); the operator creates
 # and deletes them, lists them when a job is deleted, removes its pod-tracking finalizer (patch)
 # and reads a pod again when that patch conflicts (get).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]
-# Services: kopf lists and watches the jobs' headless Services; the operator creates them.
+# Services: kopf lists and watches the jobs' headless Services; the operator creates them, reads
+# one that already exists to check it is the job's (get), and may delete what it creates with an
+# owner reference (delete: OwnerReferencesPermissionEnforcement; the operator never deletes one).
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["list", "watch", "create"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 # Events: the operator's Events on jobs (kopf.event) and kopf's own warnings (core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-{{- if .Values.networkPolicy.enabled }}
-# NetworkPolicies (networkPolicy.enabled): one per job, guarding its rendezvous and collective ports.
+# NetworkPolicies: one per job that asks for it (spec.networkPolicy, or networkPolicy.enabled for
+# every job), guarding its rendezvous and collective ports; get and delete as for Services.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["create"]
-{{- end }}
+  verbs: ["get", "create", "delete"]
 {{- if eq (include "ddpjob.peering" .) "true" }}
 # kopf peering (replicaCount > 1): each replica lists and watches the peering objects and writes
 # its keep-alive into its own (merge patch of .status; the CRD has no status subresource). kopf
