@@ -314,8 +314,9 @@ def operator_call_rules() -> set[Rule]:
 
 def owner_reference_rules() -> set[Rule]:
     """What OwnerReferencesPermissionEnforcement asks of whoever creates the objects the
-    builders make: ``delete`` on an object created with owner references, and ``update`` on
-    the owner's ``finalizers`` for a reference with ``blockOwnerDeletion``."""
+    builders make: ``update`` on the owner's ``finalizers`` for a reference with
+    ``blockOwnerDeletion``. (It asks for ``delete`` on the object itself only when an update
+    changes its owner references; a create needs none, and the operator never updates them.)"""
     from ddpjob_operator import api, builders  # noqa: PLC0415
 
     job = api.parse_job(
@@ -329,8 +330,6 @@ def owner_reference_rules() -> set[Rule]:
             },
         }
     )
-    plural = {"Pod": ("", "pods"), "Service": ("", "services")}
-    plural["NetworkPolicy"] = ("networking.k8s.io", "networkpolicies")
     rules: set[Rule] = set()
     built = [
         builders.build_pod(job, 0),
@@ -338,10 +337,7 @@ def owner_reference_rules() -> set[Rule]:
         builders.build_network_policy(job),
     ]
     for obj in built:
-        owners = obj["metadata"].get("ownerReferences") or []
-        if owners:
-            rules.add((*plural[obj["kind"]], "delete"))
-        for owner in owners:
+        for owner in obj["metadata"].get("ownerReferences") or []:
             if owner.get("blockOwnerDeletion"):
                 assert owner["kind"] == api.KIND, owner
                 rules.add((api.GROUP, f"{api.PLURAL}/finalizers", "update"))

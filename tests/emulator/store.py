@@ -625,14 +625,6 @@ class Emulator:
         self.by_uid[meta["uid"]] = (store, meta.get("namespace", ""), name)
         self._index_owners(obj, None)
         self._emit(store, "ADDED", obj)
-        for ref in meta.get("ownerReferences") or []:
-            # The real garbage collector deletes every dependent of an owner it deletes in the
-            # foreground, also one created after that deletion began.
-            owner = self._live(ref.get("uid", ""))
-            if owner is not None and "foregroundDeletion" in (
-                owner[1]["metadata"].get("finalizers") or []
-            ):
-                self._call_soon(0, functools.partial(self._collect_dependents, ref["uid"]))
         if defn.plural == "customresourcedefinitions":
             self.register_crd_object(obj)
         if self.auto_kubelet and defn.plural == "pods" and defn.group == "":
@@ -948,6 +940,10 @@ class Emulator:
         if "foregroundDeletion" not in finalizers:
             return
         if any(self._live(d) is not None for d in self.dependents.get(owner_uid, ())):
+            # As the real collector's processDeletingDependentsItem: each time the owner is
+            # looked at again (a dependent went away), every dependent still there is deleted,
+            # one created after the deletion began too.
+            self._collect_dependents(owner_uid)
             return
         new = _copy(owner)
         new["metadata"]["finalizers"] = [f for f in finalizers if f != "foregroundDeletion"]

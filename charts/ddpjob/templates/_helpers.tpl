@@ -84,7 +84,8 @@ namespace and CRD scanning is disabled (settings.scanning.disabled), and API dis
   verbs: ["patch"]
 # DDPJob finalizers: the owner references of the pods, Services and NetworkPolicies set
 # blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin (OpenShift,
-# hardened clusters) allows only to who may update the owner's finalizers.
+# hardened clusters) allows only to who may update the owner's finalizers. (Creating an object
+# with owner references needs no more: the plugin asks for delete only on updates.)
 - apiGroups: ["ddpjob.io"]
   resources: ["ddpjobs/finalizers"]
   verbs: ["update"]
@@ -94,21 +95,20 @@ namespace and CRD scanning is disabled (settings.scanning.disabled), and API dis
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]
-# Services: kopf lists and watches the jobs' headless Services; the operator creates them, reads
-# one that already exists to check it is the job's (get), and may delete what it creates with an
-# owner reference (delete: OwnerReferencesPermissionEnforcement; the operator never deletes one).
+# Services: kopf lists and watches the jobs' headless Services; the operator creates them, and
+# reads one that already exists to check it is the job's (get).
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create"]
 # Events: the operator's Events on jobs (kopf.event) and kopf's own warnings (core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 # NetworkPolicies: one per job that asks for it (spec.networkPolicy, or networkPolicy.enabled for
-# every job), guarding its rendezvous and collective ports; get and delete as for Services.
+# every job), guarding its rendezvous and collective ports; get as for Services.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "create"]
 {{- if eq (include "ddpjob.peering" .) "true" }}
 # kopf peering (replicaCount > 1): each replica lists and watches the peering objects and writes
 # its keep-alive into its own (merge patch of .status; the CRD has no status subresource). kopf
