@@ -332,6 +332,10 @@ def install_on_real(kube: Kube) -> Installed:
         "--namespace", REAL_OPERATOR_NAMESPACE,
         "--values", str(values_file), "--wait", "--timeout", "5m",
     )  # fmt: skip
+    # helm 4's --wait can return before the pod is Ready: wait for the rollout itself.
+    kube.in_namespace(REAL_OPERATOR_NAMESPACE).kubectl(
+        "rollout", "status", f"deployment/{RELEASE}", "--timeout=300s", timeout=330
+    )
     return Installed(
         kube.in_namespace(TEST_NAMESPACE), REAL_OPERATOR_IMAGE, REAL_WORKER_IMAGE, RELEASE,
         REAL_OPERATOR_NAMESPACE,

@@ -170,12 +170,20 @@ def test_helm_install_runs_the_operator_pod_with_its_service_account(
 ) -> None:
     release, system = helm_release
     kube = real.k
-    pods = kube.get(f"/api/v1/namespaces/{system}/pods") or {}
-    [operator] = [p for p in pods.get("items") or [] if p["metadata"]["name"].startswith(release)]
-    assert operator["status"]["phase"] == "Running"
-    assert any(
-        c["type"] == "Ready" and c["status"] == "True" for c in operator["status"]["conditions"]
-    )
+
+    def ready_operator() -> JSON | None:
+        pods = kube.get(f"/api/v1/namespaces/{system}/pods") or {}
+        for pod in pods.get("items") or []:
+            conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions") or []}
+            if conditions.get("Ready") == "True":
+                return dict(pod)
+        return None
+
+    operator = wait_for(ready_operator, "the operator pod Ready", timeout=120)
+    assert operator["metadata"]["name"].startswith(release)
+    assert operator["status"]["phase"] == "Running", operator["status"]
+    ready = {c["type"]: c["status"] for c in operator["status"]["conditions"]}["Ready"]
+    assert ready == "True", operator["status"]
     volumes = {v["name"] for v in operator["spec"]["volumes"]}
     assert any(v.startswith("kube-api-access-") for v in volumes), volumes
     real.create_job("helmed")

@@ -371,7 +371,6 @@ class Kubelet:
         self.wake = threading.Event()
         self.stop = threading.Event()
         self.probe_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
-        self.host_root = f"/proc/{os.getpid()}/root"
         self.node_transitions: dict[str, str] = {}
         self.zombies: set[int] = set()
         self.zombies_checked = 0.0
@@ -817,7 +816,6 @@ class Kubelet:
             mounts=mounts,
             working_dir=str(c.spec.get("workingDir") or image.working_dir),
             cgroup=c.cgroup,
-            host_root=self.host_root,
         )
         members = None if c.cgroup is None else c.cgroup / "cgroup.procs"
         c.proc = spawn(

@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ipaddress
+import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -41,8 +41,9 @@ from ddpjob_operator.builders import parse_quantity
 JSON = dict[str, Any]
 ROOT = Path(__file__).resolve().parents[2]
 SETUP_FAILED = 128
-"""The wrapper's exit code when the container could not be set up (containerd: StartError)."""
+"""The init's exit code when the container could not be set up (containerd: StartError)."""
 SETUP_MARKER = "process-kubelet: container set-up failed"
+"""The init's last line then (tests/kube/init.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,54 +303,32 @@ def wrapper(
     mounts: Sequence[Mount],
     working_dir: str,
     cgroup: Path | None,
-    host_root: str,
 ) -> list[str]:
-    """The argv prefix that sets a container up and then ``exec``s its command.
-
-    ``host_root`` is ``/proc/<kubelet pid>/root``: the machine's filesystem as the kubelet sees
-    it, to bring back a protected path that a volume hid.
-    """
-    steps = []
-    if cgroup is not None:
-        steps.append(f"echo $$ > {shlex.quote(str(cgroup / 'cgroup.procs'))}")
-    steps.append(f"hostname {shlex.quote(hostname)}")
-    steps.append(f"mount --bind {shlex.quote(str(hosts))} /etc/hosts")
-    steps.append(f"mount --bind {shlex.quote(str(resolv))} /etc/resolv.conf")
-    keep = protected_paths()
-    for mount in mounts:
-        target = shlex.quote(mount.target)
-        steps.append(f"mkdir -p {target}")
-        if mount.tmpfs_bytes is not None:
-            steps.append(f"mount -t tmpfs -o size={mount.tmpfs_bytes} tmpfs {target}")
-        else:
-            steps.append(f"mount --bind {shlex.quote(mount.source)} {target}")
-        if mount.read_only:
-            steps.append(f"mount -o remount,bind,ro {target}")
-        for path in keep:
-            if path == mount.target or path.startswith(mount.target.rstrip("/") + "/"):
-                quoted = shlex.quote(path)
-                steps.append(f"mkdir -p {quoted}")
-                steps.append(f"mount --rbind {shlex.quote(host_root + path)} {quoted}")
-    steps.append(f"mkdir -p {shlex.quote(working_dir)}")
-    steps.append(f"cd {shlex.quote(working_dir)}")
-    setup = " && ".join(steps)
-    script = (
-        f"{{ {setup}; }} || {{ echo {shlex.quote(SETUP_MARKER)} >&2; exit {SETUP_FAILED}; }}; "
-        'exec "$@"'
-    )
+    """The argv prefix that sets a container up and then ``exec``s its command: new mount and
+    UTS namespaces (``unshare``), then :mod:`tests.kube.init` with this container's spec."""
+    spec = {
+        "hostname": hostname,
+        "hosts": str(hosts),
+        "resolv": str(resolv),
+        "mounts": [
+            {
+                "source": m.source,
+                "target": m.target,
+                "readOnly": m.read_only,
+                "tmpfsBytes": m.tmpfs_bytes,
+            }
+            for m in mounts
+        ],
+        "keep": protected_paths(),
+        "workingDir": working_dir,
+        "cgroup": None if cgroup is None else str(cgroup),
+    }
     unshare = shutil.which("unshare") or "unshare"
+    init = str(Path(__file__).with_name("init.py"))
     return [
-        unshare,
-        "--mount",
-        "--uts",
-        "--propagation",
-        "private",
-        "--",
-        "/bin/sh",
-        "-c",
-        script,
-        "sh",
-    ]
+        unshare, "--mount", "--uts", "--propagation", "private", "--",
+        sys.executable, "-I", "-S", init, json.dumps(spec),
+    ]  # fmt: skip
 
 
 def mount_tmpfs(path: Path, size_bytes: int) -> bool:
