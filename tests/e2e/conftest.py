@@ -76,6 +76,7 @@ RELEASE = "ddpjob"
 CHART = ROOT / "charts" / "ddpjob"
 OPERATOR_REPOSITORY = "ddpjob-operator"
 WORKER_REPOSITORY = "ddpjob-worker-cpu"
+REAL_RELEASE = "ddpjob-e2e"
 REAL_OPERATOR_NAMESPACE = "ddpjob-e2e-system"
 """On the shared real control plane ``ddpjob-system`` holds the RBAC the other tests use."""
 REAL_OPERATOR_IMAGE = "ghcr.io/ddpjob/ddpjob-operator"
@@ -328,15 +329,15 @@ def install_on_real(kube: Kube) -> Installed:
     values_file = artifacts_dir() / "helm-values-real.json"
     values_file.write_text(json.dumps(values))
     kube.helm(
-        "upgrade", "--install", RELEASE, str(CHART),
+        "upgrade", "--install", REAL_RELEASE, str(CHART),
         "--namespace", REAL_OPERATOR_NAMESPACE,
         "--values", str(values_file), "--wait", "--timeout", "5m",
     )  # fmt: skip
     # helm 4's --wait can return before the pod is Ready: wait for the rollout itself.
     kube.in_namespace(REAL_OPERATOR_NAMESPACE).kubectl(
-        "rollout", "status", f"deployment/{RELEASE}", "--timeout=300s", timeout=330
+        "rollout", "status", f"deployment/{REAL_RELEASE}", "--timeout=300s", timeout=330
     )
     return Installed(
-        kube.in_namespace(TEST_NAMESPACE), REAL_OPERATOR_IMAGE, REAL_WORKER_IMAGE, RELEASE,
+        kube.in_namespace(TEST_NAMESPACE), REAL_OPERATOR_IMAGE, REAL_WORKER_IMAGE, REAL_RELEASE,
         REAL_OPERATOR_NAMESPACE,
     )  # fmt: skip

@@ -12,6 +12,7 @@ in the middle of a scale-up. The scenarios shared with the emulator are in
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -36,6 +37,20 @@ OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
 @pytest.fixture
 def real(kube: KubeTest, tmp_path: Path) -> RealEnv:
     return real_env(kube, tmp_path)
+
+
+def one_pod_per_node(job: str) -> JSON:
+    """Pod anti-affinity: losing a node loses one pod of the job."""
+    return {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": {"ddpjob.io/job-name": job}},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
+    }
 
 
 def counts(env: RealEnv, name: str) -> tuple[int, int]:
@@ -292,25 +307,15 @@ def test_pod0s_node_lost_it_is_force_deleted_and_replaced_uncharged(real: RealEn
     DisruptionTarget; no kubelet confirms, so the pod stays Terminating; the operator counts it
     once (NodeLost, not charged), force-deletes it at its bound and creates pod 0 again."""
     real.start_operator()
-    tolerations = [
-        {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 2}
-        for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
-    ]
     template = real.manifest("iota", real.namespace)["spec"]["template"]
-    template["spec"]["tolerations"] = tolerations
     template["spec"]["terminationGracePeriodSeconds"] = 3
-    template["spec"]["affinity"] = {  # one pod per node: losing pod 0's node loses it alone
-        "podAntiAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [
-                {
-                    "labelSelector": {"matchLabels": {"ddpjob.io/job-name": "iota"}},
-                    "topologyKey": "kubernetes.io/hostname",
-                }
-            ]
-        }
-    }
+    template["spec"]["affinity"] = one_pod_per_node("iota")
     real.fake_trainer = False  # the template is already the fake one
-    real.create_job("iota", forceDeleteAfterSeconds=3, template=template)
+    # The operator's own NoExecute tolerations (nodeLostTolerationSeconds), not the 300 s the
+    # DefaultTolerationSeconds admission plugin would give every pod.
+    real.create_job(
+        "iota", forceDeleteAfterSeconds=3, nodeLostTolerationSeconds=2, template=template
+    )
     real.fake_trainer = True
     real.run_pods("iota")
     old = real.pod("iota-worker-0")
@@ -342,3 +347,85 @@ def test_pod0s_node_lost_it_is_force_deleted_and_replaced_uncharged(real: RealEn
     print(f"node lost -> pod 0 replaced: {elapsed:.1f}s")
     time.sleep(2)
     assert counts(real, "iota") == (1, 0), "counted once"
+
+
+STEP_RE = re.compile(r"DDPJOB step=(\d+) rank=(\d+) world=(\d+)")
+DONE_RE = re.compile(r"DDPJOB done steps=(\d+)")
+
+
+def last_world(kube: KubeTest, pod: str) -> int | None:
+    found = STEP_RE.findall(kube.kubectl("logs", pod, "-c", "trainer", check=False).stdout)
+    return int(found[-1][2]) if found else None
+
+
+def test_training_goes_on_when_the_store_hosts_node_is_lost(kube: KubeTest, tmp_path: Path) -> None:
+    """Real training: pod 0 (the c10d store host) loses its node. The real controllers evict
+    it after the operator's 2 s toleration, the operator force-deletes it (no kubelet confirms)
+    and creates it again under the same DNS name; pod 1's agent waits for it and rejoins; the
+    job finishes every step, with one restart, NodeLost, and nothing charged."""
+    env = real_env(kube, tmp_path, fake_trainer=False)
+    env.start_operator()
+    steps = 160
+    template = {
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "affinity": one_pod_per_node("lost"),
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "ghcr.io/ddpjob/ddpjob-worker-cpu:0.1.0",
+                    "command": ["ddpjob-agent"],
+                    "args": [
+                        "/opt/ddpjob/examples/train.py",
+                        f"--steps={steps}",
+                        "--step-sleep=0.2",
+                        "--ckpt-every=10",
+                        "--ckpt-dir=/ckpt",
+                    ],
+                    "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}],
+                }
+            ],
+            "volumes": [
+                {
+                    "name": "ckpt",
+                    "hostPath": {"path": str(tmp_path / "ckpt"), "type": "DirectoryOrCreate"},
+                }
+            ],
+        }
+    }
+    env.create_job(
+        "lost", replicas=2, minReplicas=1, maxReplicas=2, nodeLostTolerationSeconds=2,
+        forceDeleteAfterSeconds=3, template=template,
+    )  # fmt: skip
+    pods = ["lost-worker-0", "lost-worker-1"]
+    wait_for(lambda: all(last_world(kube, p) == 2 for p in pods), "training at world 2", 240)
+    old = env.pod("lost-worker-0")
+    assert old is not None
+    lost_at = time.monotonic()
+    kube.lose_node(old["spec"]["nodeName"])
+    new = env.replacement(old, "pod 0 created again after its node was lost", timeout=120)
+    replaced = time.monotonic() - lost_at
+
+    def training_again() -> bool:
+        pod = env.pod("lost-worker-0")
+        return bool(pod and pod["metadata"]["uid"] == new["metadata"]["uid"]) and all(
+            last_world(kube, p) == 2 for p in pods
+        )
+
+    wait_for(training_again, "both pods training at world 2 again", 240)
+    again = time.monotonic() - lost_at
+    print(f"store host's node lost: pod 0 replaced after {replaced:.1f}s, training at world 2 "
+          f"again after {again:.1f}s")  # fmt: skip
+    status = wait_for(
+        lambda: env.status("lost").get("phase") in ("Succeeded", "Failed") and env.status("lost"),
+        "the job to finish",
+        timeout=600,
+    )
+    assert status["phase"] == "Succeeded", status
+    assert [(f["pod"], f["reason"], f["charged"]) for f in status["failures"]] == [
+        ("lost-worker-0", "NodeLost", False)
+    ]
+    assert (status["restarts"], status.get("backoffCount", 0)) == (1, 0)
+    for pod in pods:
+        done = DONE_RE.search(kube.kubectl("logs", pod, "-c", "trainer").stdout)
+        assert done is not None and int(done.group(1)) == steps, pod

@@ -95,10 +95,17 @@ def apply_chart_rbac(cluster: ControlPlane, values: Mapping[str, Any]) -> None:
     wanted = [
         d
         for d in docs
-        if d.get("kind") in RBAC_KINDS or d.get("kind") == "CustomResourceDefinition"
+        if (d.get("kind") in RBAC_KINDS or d.get("kind") == "CustomResourceDefinition")
+        and not _aggregated(d)
     ]
     stdin = "\n---\n".join(json.dumps(d) for d in wanted)
     kubectl_run(cluster, "apply", "-f", "-", stdin=stdin)
+
+
+def _aggregated(doc: Mapping[str, Any]) -> bool:
+    """The chart's roles for users (aggregated into admin, edit, view), not the operator's."""
+    labels = (doc.get("metadata") or {}).get("labels") or {}
+    return any(key.startswith("rbac.authorization.k8s.io/aggregate-to-") for key in labels)
 
 
 def install_rbac(cluster: ControlPlane) -> None:
