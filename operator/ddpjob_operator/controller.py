@@ -53,6 +53,8 @@ CONCURRENCY = 16
 """API calls in flight at once for one pass (pod creations of a large job go in parallel)."""
 STUCK_PASS_SECONDS = 120.0
 """A pass running longer than this makes the liveness probe fail."""
+MAX_FAILED_ACTION_EVENTS = 10
+"""ActionFailed events a pass emits (one per distinct error); the rest go to the log only."""
 EXPECTATION_SECONDS = 15.0
 """How long a write we made may take to show in kopf's indexes before we act again."""
 
@@ -283,8 +285,14 @@ class Controller:
             # The API refused something (say, a pod the CRD schema let through but the API
             # server rejects, or a NetworkPolicy the operator may not create): tell the user on
             # the job, then retry with backoff.
-            for message in sorted({str(e) for e in exc.errors if isinstance(e, ApiError)}):
+            messages = sorted({str(e) for e in exc.errors if isinstance(e, ApiError)})
+            for message in messages[:MAX_FAILED_ACTION_EVENTS]:
                 emit("Warning", "ActionFailed", message)
+            if len(messages) > MAX_FAILED_ACTION_EVENTS:
+                rest = len(messages) - MAX_FAILED_ACTION_EVENTS
+                emit("Warning", "ActionFailed", f"and {rest} more refused actions (see the log)")
+                for message in messages[MAX_FAILED_ACTION_EVENTS:]:
+                    logger.warning("action failed: %s", message)
             raise
         for event in decision.events:
             emit(event.type, event.reason, event.message)

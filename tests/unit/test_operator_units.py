@@ -62,3 +62,49 @@ def test_network_policy_never_opens_the_rendezvous_port() -> None:
     assert builders.build_network_policy(job())["spec"]["ingress"] == [
         {"from": [{"podSelector": {"matchLabels": {api.LABEL_JOB: "demo"}}}]}
     ]
+
+
+def test_refused_actions_emit_a_bounded_number_of_events() -> None:
+    """A large job whose every pod the API server refuses: ten events and one for the rest,
+    not one per pod on every retry (issue 14 point 17)."""
+    import asyncio  # noqa: PLC0415
+    import logging  # noqa: PLC0415
+    from typing import Any  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415
+
+    from ddpjob_operator.controller import MAX_FAILED_ACTION_EVENTS, ActionsFailedError  # noqa: PLC0415
+    from ddpjob_operator.kube import ApiError  # noqa: PLC0415
+
+    from .jobs import manifest  # noqa: PLC0415
+
+    class RefusingKube:
+        async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
+            return {**body, "status": status}
+
+        async def create_service(self, ns: str, service: Any) -> None:
+            return None
+
+        async def create_pod(self, ns: str, pod: Any) -> None:
+            raise ApiError(422, "Invalid", f"pod {pod['metadata']['name']} is invalid")
+
+    body = manifest(replicas=30, minReplicas=1, maxReplicas=30)
+    body["metadata"]["resourceVersion"] = "1"
+    ctl = Controller(RefusingKube(), Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    events: list[tuple[str, str, str]] = []
+
+    async def one_pass() -> None:
+        await ctl.run_pass(
+            ("ml", "demo"),
+            body,
+            logging.getLogger("test"),
+            pods=list,
+            service=lambda: True,
+            emit=lambda kind, reason, message: events.append((kind, reason, message)),
+        )
+
+    with pytest.raises(ActionsFailedError):
+        asyncio.run(one_pass())
+    refused = [e for e in events if e[1] == "ActionFailed"]
+    assert len(refused) == MAX_FAILED_ACTION_EVENTS + 1
+    assert refused[-1][2] == "and 20 more refused actions (see the log)"
