@@ -375,8 +375,13 @@ def on_emulator(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
 
 def on_real(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
     capacity = {"cpu": "64", "memory": "256Gi", "pods": "2000", "ephemeral-storage": "1Ti"}
-    with ControlPlane(workdir / "cluster", nodes=3, node_capacity=capacity) as cluster:
-        fixtures.install_crd(cluster)
+    cluster = ControlPlane(
+        workdir / "cluster",
+        nodes=3,
+        node_capacity=capacity,
+        before_controllers=fixtures.install_crd,
+    )
+    with cluster:
         fixtures.install_rbac(cluster)
         fixtures.kubectl_run(cluster, "create", "namespace", NS)
         fixtures.wait_for(

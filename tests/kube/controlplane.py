@@ -175,6 +175,10 @@ class ControlPlane:
     api_port: int = 0
     bin_dir: Path = dataclasses.field(default_factory=Path)
     pki: pki.Pki | None = None
+    before_controllers: Callable[[ControlPlane], None] | None = None
+    """Runs once the API server is up and before the controllers start: CRDs installed then
+    are known to the garbage collector from its start (it picks up new kinds only every 30 s,
+    and does not collect the dependents of an owner of a kind it did not know)."""
 
     # ---- addresses and credentials --------------------------------------------------------
 
@@ -269,6 +273,8 @@ class ControlPlane:
         try:
             self._start_etcd()
             self._start_apiserver()
+            if self.before_controllers is not None:
+                self.before_controllers(self)
             self._start_controllers(kubeconfigs)
             self._spawn(
                 "dns",

@@ -131,14 +131,13 @@ def kube_cluster(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[ControlPlane]:
     workdir = tmp_path_factory.mktemp("kube")
-    cluster = ControlPlane(workdir, nodes=3)
+    cluster = ControlPlane(workdir, nodes=3, before_controllers=install_crd)
     try:
         cluster.start()
     except (BuildError, ControlPlaneError) as exc:
         pytest.fail(f"the real control plane did not start: {exc}", pytrace=False)
     request.config.stash[CLUSTER] = cluster
     try:
-        install_crd(cluster)
         install_rbac(cluster)
         yield cluster
     finally:
