@@ -429,3 +429,21 @@ def test_training_goes_on_when_the_store_hosts_node_is_lost(kube: KubeTest, tmp_
     for pod in pods:
         done = DONE_RE.search(kube.kubectl("logs", pod, "-c", "trainer").stdout)
         assert done is not None and int(done.group(1)) == steps, pod
+
+
+def test_the_quickstart_example_succeeds_as_written(kube: KubeTest, tmp_path: Path) -> None:
+    """examples/quickstart.yaml, applied as a user would, trains to the end on real pods."""
+    env = real_env(kube, tmp_path, fake_trainer=False)
+    env.start_operator()
+    kube.kubectl("apply", "-f", str(ROOT / "examples" / "quickstart.yaml"))
+    status = wait_for(
+        lambda: env.status("quickstart").get("phase") in ("Succeeded", "Failed")
+        and env.status("quickstart"),
+        "the quickstart job to finish",
+        timeout=400,
+    )
+    assert status["phase"] == "Succeeded", status
+    assert (status["restarts"], status.get("backoffCount", 0)) == (0, 0)
+    for pod in ("quickstart-worker-0", "quickstart-worker-1"):
+        done = DONE_RE.search(kube.kubectl("logs", pod, "-c", "trainer").stdout)
+        assert done is not None and int(done.group(1)) == 400, pod

@@ -8,9 +8,11 @@ followed by the container's argv. In the new mount and UTS namespaces this:
 2. opens every mount source first (``O_PATH``): a volume mounted over a parent of a later
    source (an emptyDir at ``/tmp`` while the pod's directory is under ``/tmp``) cannot hide
    it, since the bind is made from the open file, not from a path;
-3. sets the hostname, bind-mounts the pod's hosts and resolv.conf, then each mount in order
-   (a tmpfs for a memory-backed emptyDir), read-only where asked, and brings back the
-   programs' own paths (the dev venv, the repo) where a mount hid them;
+3. sets the hostname, bind-mounts the pod's hosts and resolv.conf, then each mount in order:
+   an image's files as an overlay (copy-on-write: the container may write there, the source
+   is never changed), a volume as a bind mount (a tmpfs for a memory-backed emptyDir),
+   read-only where asked; and brings back the programs' own paths (the dev venv, the repo)
+   where a mount hid them;
 4. changes to the working directory (creating it, as runtimes do) and execs the command.
 
 A failure prints one line and exits 128 (containerd's StartError). Standard library only, run
@@ -74,15 +76,28 @@ def setup(spec: dict[str, object]) -> None:
     sources = [
         None if m.get("tmpfsBytes") is not None else os.open(m["source"], os.O_PATH) for m in mounts
     ]
+    layers = [
+        [os.open(path, os.O_RDONLY | os.O_DIRECTORY) for path in m["overlay"]]
+        if m.get("overlay")
+        else []
+        for m in mounts
+    ]
     kept = {path: os.open(path, os.O_PATH) for path in keep if os.path.exists(path)}
     socket.sethostname(str(spec["hostname"]))
     for name, target in files.items():
         _bind(opened[name], target)
-    for mount, fd in zip(mounts, sources, strict=True):
+    for mount, fd, layer in zip(mounts, sources, layers, strict=True):
         target = str(mount["target"])
         if fd is None:
             _target(target, like_file=False)
             _mount("tmpfs", target, "tmpfs", 0, f"size={int(mount['tmpfsBytes'])}")
+        elif layer:
+            # An image's files: copy-on-write over their source, as a container's rootfs.
+            _target(target, like_file=False)
+            lower = os.open(mount["source"], os.O_RDONLY | os.O_DIRECTORY)
+            upper, work = (f"/proc/self/fd/{n}" for n in layer)
+            options = f"lowerdir=/proc/self/fd/{lower},upperdir={upper},workdir={work}"
+            _mount("overlay", target, "overlay", 0, options)
         else:
             _target(target, like_file=not os.path.isdir(f"/proc/self/fd/{fd}"))
             _bind(fd, target, recursive=True)

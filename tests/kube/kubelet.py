@@ -793,7 +793,13 @@ class Kubelet:
             c.cgroup = self.cgroups.create(
                 f"{pod.uid}-{c.name}-{c.restart_count}", runtime.memory_limit(c.spec)
             )
-        mounts = [runtime.Mount(source, target) for target, source in image.files.items()]
+        mounts = []
+        for number, (target, source) in enumerate(sorted(image.files.items())):
+            layer = pod.dir / "rootfs" / c.name / str(c.restart_count) / str(number)
+            upper, work = layer / "upper", layer / "work"
+            upper.mkdir(parents=True, exist_ok=True)
+            work.mkdir(parents=True, exist_ok=True)
+            mounts.append(runtime.Mount(source, target, overlay=(str(upper), str(work))))
         assert pod.volumes is not None
         for mount in c.spec.get("volumeMounts") or []:
             volume = pod.volumes.get(mount["name"])

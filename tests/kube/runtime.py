@@ -4,8 +4,8 @@ A pod runs as real processes on this machine, with the same process layer as ``d
 (:mod:`ddpjob_operator.local.pods`). What stands in for a container runtime:
 
 * **Images** are a table (:class:`Images`): an image name maps to an entrypoint, a cmd, env, a
-  working directory, a user and the files the image would carry (bind-mounted from this
-  machine, say the repo's ``examples/`` at ``/opt/ddpjob/examples``). The programs come from
+  working directory, a user and the files the image would carry (copy-on-write overlays of this
+  machine's files, say the repo's ``examples/`` at ``/opt/ddpjob/examples``). The programs come from
   the dev venv. An image not in the table fails to pull, as a missing image would.
 * **The sandbox** of a pod is a directory with its ``/etc/hosts`` and ``/etc/resolv.conf`` (as
   the kubelet writes them), its volumes, and an address of its own (local to this machine) as
@@ -102,7 +102,11 @@ def default_images() -> list[JSON]:
         "cmd": ["ddpjob-agent", "--help"],
         "workingDir": "/opt/ddpjob/examples",
         "user": 65532,
-        "files": {"/opt/ddpjob/examples": str(ROOT / "examples")},
+        # The Dockerfile's worker-cpu: examples/ at /opt/ddpjob/examples, and /app -> /opt/ddpjob.
+        "files": {
+            "/opt/ddpjob/examples": str(ROOT / "examples"),
+            "/app/examples": str(ROOT / "examples"),
+        },
     }
     operator = {"env": env, "entrypoint": ["ddpjob", "operator"], "user": 65532}
     plain = {"env": env, "user": 0}  # a shell and python, for init containers and test pods
@@ -286,6 +290,8 @@ class Mount:
     read_only: bool = False
     tmpfs_bytes: int | None = None
     """A tmpfs of this size instead of a bind mount of ``source``."""
+    overlay: tuple[str, str] | None = None
+    """(upper, work) directories: ``source`` copy-on-write, as an image's files are."""
 
 
 def protected_paths() -> list[str]:
@@ -316,6 +322,7 @@ def wrapper(
                 "target": m.target,
                 "readOnly": m.read_only,
                 "tmpfsBytes": m.tmpfs_bytes,
+                "overlay": list(m.overlay) if m.overlay else None,
             }
             for m in mounts
         ],
