@@ -245,6 +245,7 @@ def test_graceful_deletion_then_the_kubelets_own_delete_respects_finalizers(
         return found
 
     held = wait_for(stopped, "the kubelet's final DELETE (grace 0)", timeout=30)
+    assert "terminated" in container_status(held)["state"], held["status"]
     elapsed = time.monotonic() - started
     assert elapsed >= 2, f"SIGKILLed before the 2 s grace period ({elapsed:.1f}s)"
     assert held["metadata"]["uid"] == created["metadata"]["uid"]

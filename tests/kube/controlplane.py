@@ -143,7 +143,12 @@ def _claim_pod_range() -> int:
 
 
 def _release_pod_range(octet: int) -> None:
+    """The cluster's addresses and its kubelets' cgroups (its nodes are dead by now)."""
     _ip("addr", "flush", "dev", INTERFACE, "to", f"10.{octet}.0.0/16")
+    mine = runtime.Cgroups.named("")
+    if mine is not None:
+        for path in mine.root.glob(f"ddpjob-kube-{octet}-*"):
+            runtime.Cgroups(path, mine.v2).remove_all()
     (ROUTES / str(octet)).unlink(missing_ok=True)
 
 
@@ -192,6 +197,9 @@ class ControlPlane:
 
     def node_name(self, index: int) -> str:
         return f"node-{index + 1}"
+
+    def cgroup_name(self, node: str) -> str:
+        return f"ddpjob-kube-{self.octet}-{node}"
 
     def node_names(self) -> list[str]:
         return [self.node_name(i) for i in range(self.nodes)]
@@ -419,6 +427,7 @@ class ControlPlane:
             "renew_seconds": LEASE_RENEW_SECONDS,
             "status_seconds": 10.0,
             "version": build.kubernetes_version(),
+            "cgroup": self.cgroup_name(name),
         }
         config_path = root / "config.json"
         config_path.write_text(json.dumps(config, indent=1))

@@ -82,6 +82,8 @@ log = logging.getLogger("process-kubelet")
 
 TICK = 0.1
 TREE_WALK_SECONDS = 1.0
+RESYNC_SECONDS = 5.0
+"""How often the API's copy of a pod's status is compared with ours."""
 """Without a cgroup, how often a running container's process tree is walked (to remember the
 processes to kill if its root dies first)."""
 BACKOFF_START = 10.0
@@ -122,6 +124,8 @@ class Config:
     status_seconds: float = 10.0
     port: int = 10250
     version: str = "v0.0.0"
+    cgroup: str = "ddpjob-kubelet"
+    """The kubelet's memory cgroup, under its own (the control plane removes it at the end)."""
 
     @classmethod
     def load(cls, path: Path) -> Config:
@@ -235,6 +239,8 @@ class Pod:
     confirmed: bool = False
     written: JSON | None = None
     failed_init: bool = False
+    checked: float = 0.0
+    """When the API's copy of its status was last compared with ours."""
 
     @property
     def restart_policy(self) -> str:
@@ -364,7 +370,7 @@ class Kubelet:
         self.images = runtime.Images.from_json(config.images)
         self.addresses = runtime.Addresses(config.pod_cidr)
         self.node_ip = self.addresses.node_ip
-        self.cgroups = runtime.Cgroups.find(f"ddpjob-kubelet-{config.node}-{os.getpid()}")
+        self.cgroups = runtime.Cgroups.find(config.cgroup)
         self.pods: dict[str, Pod] = {}
         self.seen: dict[str, JSON] = {}
         self.lock = threading.Lock()
@@ -659,10 +665,28 @@ class Kubelet:
                 self.start_containers(pod, now)
             self.probe(pod, now)
         status = pod_status(pod, self.node_ip)
-        if status != pod.written and not pod.confirmed:
+        if status != pod.written or self.drifted(pod, status, now):
             self.write_status(pod, status)
         if pod.deleting and pod.processes_gone() and not pod.confirmed and pod.written == status:
             self.confirm_deletion(pod)
+
+    def drifted(self, pod: Pod, status: JSON, now: float) -> bool:
+        """The API's copy of what we own disagrees with ours (a slow write of ours that landed
+        after a later one, say): write it again, as the kubelet's status manager re-syncs."""
+        if now - pod.checked < RESYNC_SECONDS:
+            return False
+        pod.checked = now
+        current = pod.api.get("status") or {}
+
+        def states(statuses: object) -> dict[str, list[str]]:
+            return {
+                str(c["name"]): sorted(k for k, v in (c.get("state") or {}).items() if v)
+                for c in statuses or []  # type: ignore[attr-defined]
+            }
+
+        return current.get("phase") != status["phase"] or states(
+            current.get("containerStatuses")
+        ) != states(status["containerStatuses"])
 
     # ---- containers -----------------------------------------------------------------------
 

@@ -184,6 +184,12 @@ class Cgroups:
     v2: bool
 
     @classmethod
+    def named(cls, name: str) -> Cgroups | None:
+        """``name`` under our own memory cgroup, whether or not it exists."""
+        own = _own_memory_cgroup()
+        return None if own is None else cls(own[0] / name, own[1])
+
+    @classmethod
     def find(cls, name: str) -> Cgroups | None:
         """``name`` under the kubelet's own memory cgroup, if a child with a limit can be made."""
         own = _own_memory_cgroup()
@@ -233,9 +239,11 @@ class Cgroups:
             path.rmdir()
 
     def remove_all(self) -> None:
-        for child in sorted(self.root.glob("*"), reverse=True):
+        """This cgroup and every one under it (all empty once their processes are gone)."""
+        for child in sorted(self.root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
             if child.is_dir():
                 self.remove(child)
+        self.remove(self.root)
 
 
 def _own_memory_cgroup() -> tuple[Path, bool] | None:
