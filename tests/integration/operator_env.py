@@ -28,20 +28,29 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import requests
 
 from tests.emulator import EmulatorProcess
-from tests.kube.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, KubeTest
+from tests.kube.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, KubeTest, wait_for
+
+__all__ = [
+    "EmulatorEnv",
+    "OperatorEnv",
+    "RealEnv",
+    "free_port",
+    "operator_env",
+    "real_env",
+    "wait_for",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 DDPJOB = str(Path(sys.executable).parent / "ddpjob")
 JOBS = "ddpjob.io/v1alpha1/ddpjobs"
 FAKE_TRAINER_IMAGE = "ddpjob/fake-trainer:test"
-T = TypeVar("T")
 JSON = dict[str, Any]
 
 
@@ -78,19 +87,6 @@ def job_manifest(name: str, namespace: str = "default", **spec: Any) -> dict[str
         "metadata": {"name": name, "namespace": namespace},
         "spec": base,
     }
-
-
-def wait_for(
-    check: Callable[[], T | bool | None], what: str, timeout: float = 20.0, every: float = 0.1
-) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return cast(T, last)
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def _object_path(resource: str, namespace: str | None, name: str | None = None) -> str:
@@ -193,13 +189,19 @@ class OperatorEnv:
         return dict((job or {}).get("status") or {})
 
     def patch_job(self, name: str, patch: JSON, namespace: str | None = None) -> None:
-        response = self.api(
+        response = self.try_patch_job(name, patch, namespace)
+        assert response.status_code == 200, response.text
+
+    def try_patch_job(
+        self, name: str, patch: JSON, namespace: str | None = None
+    ) -> requests.Response:
+        """A merge patch of the job, as ``kubectl patch --type=merge``; the answer as it is."""
+        return self.api(
             "PATCH",
             f"/apis/ddpjob.io/v1alpha1/namespaces/{self.ns(namespace)}/ddpjobs/{name}",
             data=json.dumps(patch),
             headers={"Content-Type": "application/merge-patch+json"},
         )
-        assert response.status_code == 200, response.text
 
     def scale(self, name: str, replicas: int, namespace: str | None = None) -> None:
         """``kubectl scale ddpj/NAME --replicas=N``: a patch of the scale subresource."""

@@ -21,14 +21,15 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import pytest
 import requests
 
 from tests.emulator import EmulatorHandle, EmulatorProcess
+from tests.kube.fixtures import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +38,6 @@ JOBS = "ddpjob.io/v1alpha1/ddpjobs"
 JOBS_PATH = "/apis/ddpjob.io/v1alpha1/namespaces/default/ddpjobs"
 FINALIZER = "ddpjob.io/pod-tracking"
 T = TypeVar("T")
-
-
-def wait_for(check: Callable[[], T | bool | None], what: str, timeout: float = 20.0) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return cast(T, last)
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 class World:

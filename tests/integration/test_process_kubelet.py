@@ -50,6 +50,20 @@ def phase(kube: KubeTest, name: str, *wanted: str, timeout: float = 60) -> JSON:
     return wait_for(check, f"{name} in phase {' or '.join(wanted)}", timeout=timeout)
 
 
+def headless_service(kube: KubeTest, name: str) -> None:
+    """A Service as ddpjob makes them: headless, publishing not-ready addresses, selecting
+    the pods labelled ``app: <name>``."""
+    spec = {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": True,
+        "selector": {"app": name},
+        "ports": [{"name": "x", "port": 80}],
+    }
+    kube.api.create(
+        f"/api/v1/namespaces/{kube.namespace}/services", {"metadata": {"name": name}, "spec": spec}
+    )
+
+
 def container_status(body: JSON, name: str = "main") -> JSON:
     statuses = body["status"]["containerStatuses"]
     return next(s for s in statuses if s["name"] == name)
@@ -183,18 +197,7 @@ def test_env_is_resolved_as_a_kubelet_does(kube: KubeTest) -> None:
 
 
 def test_headless_service_names_resolve_to_pod_ips(kube: KubeTest) -> None:
-    kube.api.create(
-        f"/api/v1/namespaces/{kube.namespace}/services",
-        {
-            "metadata": {"name": "grp"},
-            "spec": {
-                "clusterIP": "None",
-                "publishNotReadyAddresses": True,
-                "selector": {"app": "grp"},
-                "ports": [{"name": "x", "port": 80}],
-            },
-        },
-    )
+    headless_service(kube, "grp")
     lookup = (
         "import socket, time\n"
         "for _ in range(100):\n"
@@ -311,18 +314,7 @@ def test_a_terminating_pod_stays_resolvable_until_it_is_gone(kube: KubeTest) -> 
     controller keeps a terminating pod's address, so its name resolves to the dying pod for
     its whole grace period: pod 0's DNS name points at the old store host until the old pod
     is gone, and only then can its replacement (same name) be created (issue 14, point 21)."""
-    kube.api.create(
-        f"/api/v1/namespaces/{kube.namespace}/services",
-        {
-            "metadata": {"name": "lag"},
-            "spec": {
-                "clusterIP": "None",
-                "publishNotReadyAddresses": True,
-                "selector": {"app": "lag"},
-                "ports": [{"name": "x", "port": 80}],
-            },
-        },
-    )
+    headless_service(kube, "lag")
     stubborn = "trap '' TERM; while true; do sleep 0.1; done"
     create(
         kube,

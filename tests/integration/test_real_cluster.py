@@ -25,7 +25,7 @@ import yaml
 from tests import tools
 from tests.kube.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, KubeTest
 
-from .operator_env import RealEnv, real_env, wait_for
+from .operator_env import RealEnv, free_port, real_env, wait_for
 
 pytestmark = pytest.mark.slow
 JSON = dict[str, Any]
@@ -103,16 +103,11 @@ def test_invalid_specs_are_refused_by_the_server_naming_the_field(
 
 def test_fields_baked_into_pods_change_only_while_suspended(real: RealEnv) -> None:
     real.create_job("frozen")
-    path = f"/apis/ddpjob.io/v1alpha1/namespaces/{real.namespace}/ddpjobs/frozen"
-    change = {"spec": {"maxRestarts": 9}}
-    headers = {"Content-Type": "application/merge-patch+json"}
-    refused = real.api("PATCH", path, data=json.dumps(change), headers=headers)
+    refused = real.try_patch_job("frozen", {"spec": {"maxRestarts": 9}})
     assert refused.status_code == 422, refused.text
     assert "spec.maxRestarts cannot change while the job runs" in refused.json()["message"]
-    both = {"spec": {"maxRestarts": 9, "suspend": True}}
-    assert real.api("PATCH", path, data=json.dumps(both), headers=headers).status_code == 200
-    replicas = {"spec": {"replicas": 3}}
-    assert real.api("PATCH", path, data=json.dumps(replicas), headers=headers).status_code == 200
+    real.patch_job("frozen", {"spec": {"maxRestarts": 9, "suspend": True}})
+    real.patch_job("frozen", {"spec": {"replicas": 3}})
 
 
 # ---- kubectl and helm ------------------------------------------------------------------------
@@ -155,8 +150,8 @@ def helm_release(kube: KubeTest, tmp_path: Path) -> Iterator[tuple[str, str]]:
     kube.namespaces.append(system)
     values = {
         "watchNamespaces": [kube.namespace],
-        "metrics": {"port": _free_port()},
-        "health": {"port": _free_port()},
+        "metrics": {"port": free_port()},
+        "health": {"port": free_port()},
         "livenessProbe": {"initialDelaySeconds": 5, "periodSeconds": 5},
     }
     values_file = tmp_path / "values.json"
@@ -172,12 +167,6 @@ def helm_release(kube: KubeTest, tmp_path: Path) -> Iterator[tuple[str, str]]:
     finally:
         tools.helm("uninstall", release, "--namespace", system, "--kubeconfig", env_kubeconfig,
                    check=False)  # fmt: skip
-
-
-def _free_port() -> int:
-    from .operator_env import free_port  # noqa: PLC0415
-
-    return free_port()
 
 
 def test_helm_install_runs_the_operator_pod_with_its_service_account(

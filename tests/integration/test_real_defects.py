@@ -17,7 +17,6 @@ collector decide:
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -179,11 +178,6 @@ def test_a_template_change_that_cel_map_equality_would_skip_is_refused(real: Rea
         }
     }
     swap = {"spec": {"template": {"spec": {"nodeSelector": None, "affinity": affinity}}}}
-    response = real.api(
-        "PATCH",
-        f"/apis/ddpjob.io/v1alpha1/namespaces/{real.namespace}/ddpjobs/eta",
-        data=json.dumps(swap),
-        headers={"Content-Type": "application/merge-patch+json"},
-    )
+    response = real.try_patch_job("eta", swap)
     assert response.status_code == 422, response.text
     assert "spec.template cannot change while the job runs" in response.json()["message"]

@@ -52,8 +52,10 @@ RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "Ro
 
 
 def wait_for(
-    check: Callable[[], T | bool | None], what: str, timeout: float = 30.0, every: float = 0.2
+    check: Callable[[], T | bool | None], what: str, timeout: float = 20.0, every: float = 0.1
 ) -> T:
+    """Poll ``check`` until it returns something truthy, and return that; fail naming ``what``
+    and the last value seen after ``timeout`` seconds. Every operator test waits with it."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -194,6 +196,7 @@ class KubeTest:
         wait_for(
             lambda: self._exists(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
             f"the default ServiceAccount of {name}",
+            timeout=30,
         )
 
     def _exists(self, path: str) -> bool:

@@ -59,7 +59,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -1177,35 +1177,37 @@ class Kubelet:
 
     # ---- API writes -----------------------------------------------------------------------
 
-    def write_status(self, pod: Pod, status: JSON) -> None:
-        path = f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}/status"
+    def call(self, pod: Pod, what: str, request: Callable[[], object]) -> int | None:
+        """One write about ``pod``: 0 when it went through, the HTTP status of a 404 (the pod
+        is gone) or a 409 (the name holds another pod now), None after any other error (logged;
+        the next tick tries again)."""
         try:
-            self.api.patch(path, {"metadata": {"uid": pod.uid}, "status": status})
+            request()
         except ApiError as exc:
             if exc.status in (404, 409):
-                pod.gone = exc.status == 404 or pod.gone
-                return
-            log.warning("status of %s/%s: %s", pod.namespace, pod.name, exc)
-            return
+                return exc.status
+            log.warning("%s of %s/%s: %s", what, pod.namespace, pod.name, exc)
+            return None
         except requests.RequestException as exc:
-            log.warning("status of %s/%s: %s", pod.namespace, pod.name, exc)
-            return
-        pod.written = status
+            log.warning("%s of %s/%s: %s", what, pod.namespace, pod.name, exc)
+            return None
+        return 0
+
+    def write_status(self, pod: Pod, status: JSON) -> None:
+        path = f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}/status"
+        body = {"metadata": {"uid": pod.uid}, "status": status}
+        code = self.call(pod, "status", lambda: self.api.patch(path, body))
+        if code == 0:
+            pod.written = status
+        elif code == 404:
+            pod.gone = True
 
     def confirm_deletion(self, pod: Pod) -> None:
         """The kubelet's own DELETE once every container is gone: grace 0, this pod's uid."""
         path = f"/api/v1/namespaces/{pod.namespace}/pods/{pod.name}"
         options = {"gracePeriodSeconds": 0, "preconditions": {"uid": pod.uid}}
-        try:
-            self.api.delete(path, options)
-        except ApiError as exc:
-            if exc.status not in (404, 409):
-                log.warning("deleting %s/%s: %s", pod.namespace, pod.name, exc)
-                return
-        except requests.RequestException as exc:
-            log.warning("deleting %s/%s: %s", pod.namespace, pod.name, exc)
-            return
-        pod.confirmed = True
+        if self.call(pod, "deletion", lambda: self.api.delete(path, options)) is not None:
+            pod.confirmed = True
 
     def forget(self, pod: Pod) -> None:
         runtime.unmount_all(pod.dir)
