@@ -386,9 +386,11 @@ def on_real(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
         fixtures.kubectl_run(cluster, "create", "namespace", NS)
         admin = cluster.admin()
         fixtures.wait_for(
-            lambda: admin.session.get(
-                f"{cluster.server}/api/v1/namespaces/{NS}/serviceaccounts/default"
-            ).ok,
+            lambda: (
+                admin.session.get(
+                    f"{cluster.server}/api/v1/namespaces/{NS}/serviceaccounts/default"
+                ).ok
+            ),
             "the namespace's default ServiceAccount",
         )
         kubeconfig = fixtures.operator_kubeconfig(cluster, workdir / "operator.kubeconfig")
