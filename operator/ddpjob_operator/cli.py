@@ -6,11 +6,13 @@ Exit codes: 0 success, 1 the job failed, 2 bad input (file, YAML, spec, command 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
 import re
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +53,40 @@ def render_crd() -> str:
     return header + yaml.safe_dump(crd.custom_resource_definition(), sort_keys=False, width=100)
 
 
+@contextlib.contextmanager
+def _needs(extra: str, command: str, *also: str) -> Iterator[None]:
+    """A package of ``extra`` missing (imported in the block, or one of ``also``): exit 2 with
+    one line naming the install, not a traceback (``pip install ddpjob`` installs nothing)."""
+    missing = next((name for name in also if not _installed(name)), None)
+    try:
+        if missing is None:
+            yield
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or str(exc)).split(".")[0]
+    if missing is not None:
+        raise DDPJobError(
+            f"`ddpjob {command}` needs the {missing!r} package, which is not installed: "
+            f"pip install 'ddpjob[{extra}]'"
+        )
+
+
+def _installed(name: str) -> bool:
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
+
+
 def _operator(args: argparse.Namespace) -> int:
-    from ddpjob_operator.runtime import run_operator  # noqa: PLC0415 - kopf only when needed
+    with _needs("operator", "operator", "kopf", "aiohttp", "prometheus_client"):
+        from ddpjob_operator.runtime import run_operator  # noqa: PLC0415 - kopf when needed
 
     return run_operator(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ddpjob_operator.local.runner import run_job  # noqa: PLC0415 - keeps validate/crd light
+    # torch is what the pods' agents import; checked, not imported (that takes seconds).
+    with _needs("local", "run", "torch"):
+        from ddpjob_operator.local.runner import run_job  # noqa: PLC0415 - keeps validate light
 
     return run_job(args)
 

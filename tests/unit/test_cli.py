@@ -147,3 +147,37 @@ def test_scale_refuses_and_leaves_the_file_untouched(
     assert "Traceback" not in result.stderr
     assert path.read_text() == text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv", "extra"),
+    [
+        ("psutil", ["run", "examples/quickstart.yaml"], "local"),
+        ("rich", ["run", "examples/quickstart.yaml"], "local"),
+        ("torch", ["run", "examples/quickstart.yaml"], "local"),
+        ("kopf", ["operator", "--namespace", "ml"], "operator"),
+        ("prometheus_client", ["operator", "--namespace", "ml"], "operator"),
+    ],
+)
+def test_a_command_whose_extra_is_missing_says_what_to_install(
+    missing: str, argv: list[str], extra: str
+) -> None:
+    """Without its extra, a command exits 2 with one line naming the install (issue 13)."""
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "from ddpjob_operator.entry import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: `ddpjob {argv[0]}` needs the {missing!r} package, which is not installed: "
+        f"pip install 'ddpjob[{extra}]'"
+    ]
