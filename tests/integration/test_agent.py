@@ -252,7 +252,9 @@ def test_one_faulty_pod_is_charged_and_replaced_alone(make_cluster: MakeCluster)
     assert state.phase is Phase.SUCCEEDED
     assert state.restart_count == 0, state
     assert state.membership_restarts >= 1, state
-    assert "collateral (free restart)" in nodes[0].text()
+    # Free: collateral (its worker failed after pod 1's), or pod 1 announced the round's end.
+    text = nodes[0].text()
+    assert "collateral (free restart)" in text or "announced its end (failure)" in text, text
     # TORCHELASTIC_RESTART_COUNT counts the free restart, as torchrun would: > 0 means resume.
     assert nodes[0].resumes()[-1][3] >= 1, nodes[0].resumes()
     assert nodes[0].resumes()[-1][0] > 0, "resumed from a checkpoint"
@@ -268,8 +270,12 @@ def test_a_peer_failing_milliseconds_after_the_crash_is_still_collateral(
     args = [*train_args(30), "--crash-once-on-pod", "1", "--crash-step", "8"]
     nodes = [cluster.start(i, [*args, "--crash-delay", "0.5"]) for i in range(2)]
     assert nodes[1].wait_exit(90) == 1, cluster.logs()
-    wait_until("pod 0 decided", lambda: "failure reports of this round" in nodes[0].text(), 30)
-    assert "collateral (free restart)" in nodes[0].text(), cluster.logs()
+    # Pod 0 restarts for free: as collateral (its worker failed and pod 1's report is earlier),
+    # or because pod 1 announced the end of the round before pod 0's worker failed.
+    wait_until("pod 0 decided", lambda: "restarting workers" in nodes[0].text(), 30)
+    text = nodes[0].text()
+    assert "collateral (free restart)" in text or "announced its end" in text, cluster.logs()
+    assert "the root cause" not in text, cluster.logs()
     assert nodes[0].running(), cluster.logs()
     replacement = cluster.start(1, args)
     finish_ok(cluster, [nodes[0], replacement], 120)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -62,14 +63,16 @@ from torch.distributed.elastic.utils.store import (  # the barrier's check-in, t
 )
 from torch.distributed.launcher.api import LaunchConfig
 
-from ddpjob_worker import signals
+from ddpjob_worker import liveness, signals
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
 from ddpjob_worker.exits import ExitClock
 from ddpjob_worker.policy import (
+    BROKEN_STOP_SECONDS,
     FAILURE_REPORTS_KEY,
     FAILURE_SETTLE_SECONDS,
     HOST_LINGER_SECONDS,
+    RECOVERY_PROBE_CAP_SECONDS,
     RESTART_STOP_SECONDS,
     Action,
     Budget,
@@ -81,9 +84,11 @@ from ddpjob_worker.policy import (
     is_membership_change,
     is_root_cause,
     parse_reports,
+    settled,
     split_endpoint,
     static_master,
 )
+from ddpjob_worker.rendezvous import END_FAILURE, END_JOIN, FastRendezvous
 from ddpjob_worker.state import Failure, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.agent")
@@ -135,7 +140,29 @@ class DdpjobAgent(LocalElasticAgent):
         self._exit_clock = ExitClock()
         # (store, nodes) of each round we moved on from, for their exit barriers
         self._left_rounds: list[tuple[Any, int | None]] = []
+        # (round store, our node rank) of a failure whose charge is settled in the next round
+        self._unsettled: tuple[Any, int] | None = None
+        self._left_run = False
+        self._round_over: frozenset[str] = frozenset()  # why peers said our round is over
+        self._stop_seconds: float = RESTART_STOP_SECONDS
+        self._liveness: liveness.Listener | None = None
+        self._fast = self._attach(spec.rdzv_handler)
         self.gave_up = False
+
+    def _attach(self, handler: RendezvousHandler) -> FastRendezvous | None:
+        """Our rendezvous additions (:mod:`ddpjob_worker.rendezvous`) on ``handler``, and our
+        liveness socket's address published in its store."""
+        fast = FastRendezvous.attach(handler)
+        if fast is None:
+            return None
+        if self._liveness is None:
+            self._liveness = liveness.listen(fast.node.addr)
+        if self._liveness is not None:
+            try:
+                fast.publish(self._liveness.address)
+            except (RuntimeError, OSError) as exc:  # store trouble: peers use heartbeats
+                logger.warning("could not publish our liveness address: %s", exc)
+        return fast
 
     # -- the monitor loop -------------------------------------------------------------------
 
@@ -156,21 +183,8 @@ class DdpjobAgent(LocalElasticAgent):
             status = _STATUS.get(result.state)
             if status is None:
                 raise RuntimeError(f"[{role}] worker group in unexpected state {result.state.name}")
-            nodes_waiting, store_lost = 0, False
-            if status is not WorkerStatus.SUCCEEDED:
-                nodes_waiting, store_lost = self._poll_rendezvous()
-            collateral = False
-            if status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
-                collateral, store_lost = self._is_collateral(
-                    group, self._failed_at(result, noticed_at)
-                )
-            action = decide(
-                status,
-                remaining_restarts=self._budget.remaining,
-                nodes_waiting=nodes_waiting,
-                store_lost=store_lost,
-                collateral=collateral,
-                restarts_disabled=self._restarts_disabled,
+            action, nodes_waiting, store_lost, collateral = self._next_action(
+                group, status, self._failed_at(result, noticed_at)
             )
             if action is Action.CONTINUE:
                 if time.monotonic() - last_write >= self._heartbeat_seconds:
@@ -190,13 +204,20 @@ class DdpjobAgent(LocalElasticAgent):
             if action is Action.RESTART_CHARGED:
                 self._budget = self._budget.charge()
                 self._charge_pending = True
+            elif action is Action.RESTART_SETTLE_LATER:
+                # Restart at once; who is charged is settled when the next round has formed.
+                self._unsettled = (group.store, group.group_rank or 0)
             else:
                 # Counted in TORCHELASTIC_RESTART_COUNT unless healthy workers only restart to
                 # admit a waiting node (torchrun does not count those either).
+                # A peer's failure or leave that ended our round counts too: under torchrun our
+                # workers would have failed with it.
                 self._budget = self._budget.free_restart(
-                    after_failure=status is WorkerStatus.FAILED or store_lost
+                    after_failure=status is WorkerStatus.FAILED or store_lost or self._broken()
                 )
                 self._store_lost = self._store_lost or store_lost
+            reason = END_FAILURE if status is WorkerStatus.FAILED else END_JOIN
+            self._announce_end(reason, store_lost)
             logger.info(
                 "[%s] %s: restarting workers (%s; nodes waiting %d; store lost %s; "
                 "collateral %s; %d/%d restarts left)",
@@ -210,9 +231,49 @@ class DdpjobAgent(LocalElasticAgent):
                 self._budget.max_restarts,
             )
             self._sync_budget(phase=Phase.RECOVERING)
+            intact = status is WorkerStatus.HEALTHY and not (self._broken() or store_lost)
+            self._stop_seconds = RESTART_STOP_SECONDS if intact else BROKEN_STOP_SECONDS
             self._restart_workers(group)
             self._state.update(phase=Phase.RUNNING)
             last_write = time.monotonic()
+
+    def _next_action(
+        self, group: WorkerGroup, status: WorkerStatus, failed_at: float
+    ) -> tuple[Action, int, bool, bool | None]:
+        """``(action, nodes waiting, store lost, collateral)`` after one look at the workers."""
+        nodes_waiting, store_lost = 0, False
+        if status is not WorkerStatus.SUCCEEDED:
+            nodes_waiting, store_lost = self._poll_rendezvous()
+        collateral: bool | None = False
+        if status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
+            collateral, store_lost = self._report_failure(group, failed_at)
+        for _ in range(2):
+            action = decide(
+                status,
+                remaining_restarts=self._budget.remaining,
+                nodes_waiting=nodes_waiting,
+                store_lost=store_lost,
+                collateral=collateral,
+                restarts_disabled=self._restarts_disabled,
+            )
+            if action is not Action.SETTLE_FIRST:
+                break
+            # No restart left: giving up is final, so wait for the peers' reports first.
+            collateral, store_lost = self._settle_now(group, failed_at)
+        return action, nodes_waiting, store_lost, collateral
+
+    def _broken(self) -> bool:
+        """Whether a peer ended our round because its workers failed or it left."""
+        return bool(self._round_over - {END_JOIN})
+
+    def _announce_end(self, reason: str, store_lost: bool) -> None:
+        """On our own evidence (not because a peer announced it), tell the round it is over."""
+        if self._fast is None or store_lost or self._round_over:
+            return
+        try:
+            self._fast.announce_end(reason)
+        except (RuntimeError, OSError) as exc:  # peers notice through their collective
+            logger.warning("could not announce the end of the round: %s", exc)
 
     def _give_up(self, role: str, group: WorkerGroup) -> None:
         if self._restarts_disabled:
@@ -227,6 +288,8 @@ class DdpjobAgent(LocalElasticAgent):
                 role,
                 self._budget.max_restarts,
             )
+        self._announce_end(END_FAILURE, store_lost=False)
+        self._stop_seconds = BROKEN_STOP_SECONDS
         self._stop_workers(group)
         group.state = WorkerState.FAILED
         self.gave_up = True
@@ -261,22 +324,23 @@ class DdpjobAgent(LocalElasticAgent):
         exited = self._exit_clock.earliest(f.pid for f in result.failures.values())
         return noticed_at if exited is None else min(exited, noticed_at)
 
-    def _is_collateral(self, group: WorkerGroup, failed_at: float) -> tuple[bool, bool]:
-        """Report our failure to the round's store; after the settle window, was another node's
-        failure earlier? Then ours is collateral damage (its collective broke) and is free.
+    def _report_failure(self, group: WorkerGroup, failed_at: float) -> tuple[bool | None, bool]:
+        """Report our failure to the round's store. Returns ``(collateral, store_lost)``:
+        collateral is ``None`` (not known yet: settled later) once the report is in.
 
-        Returns ``(collateral, store_lost)``. In a DDPJob pod, when the store stops answering
-        during the exchange and we do not host it, its host is gone (say pod 0 spent its budget
-        and exited, as it does without closing the rendezvous): that is a lost store host, a
-        free restart and a rejoin once the operator has replaced pod 0, not a charge. Elsewhere
-        the agent that gives up closes the rendezvous, as torch does, and we charge.
+        Who is charged is decided from the agents' wall clocks at the moment each one's first
+        failed worker exited (``failed_at``): the root cause's worker dies first, the others'
+        only fail once it is gone (its sockets close) and they have unwound. The reports are
+        compared once the next round has formed (:meth:`_settle`): every member of the old round
+        that is in the new one reported before it joined, so all the reports that matter are in
+        by then, and nobody waits for them. Limits (docs/agent.md): clocks must agree to well
+        within that gap; two independent failures in one round charge only the earliest.
 
-        Decided from the agents' wall clocks at the moment each one's first failed worker exited
-        (``failed_at``): the root cause's worker dies first, the others' only fail once it is
-        gone (its sockets close) and they have unwound. Limits (docs/agent.md): clocks must
-        agree to well within that gap, two independent failures in one window charge only the
-        earliest. If the store does not answer, a non-host agent takes its host as lost (free);
-        the host itself charges.
+        In a DDPJob pod, when the store does not answer and we do not host it, its host is gone
+        (say pod 0 spent its budget and exited, as it does without closing the rendezvous):
+        that is a lost store host, a free restart and a rejoin once the operator has replaced
+        pod 0, not a charge. Elsewhere the agent that gives up closes the rendezvous, as torch
+        does, and we charge.
         """
         store = group.store
         node = group.group_rank
@@ -284,30 +348,80 @@ class DdpjobAgent(LocalElasticAgent):
             return False, False
         try:
             store.append(FAILURE_REPORTS_KEY, format_report(FailureReport(failed_at, node)))
-            time.sleep(FAILURE_SETTLE_SECONDS)
-            raw = store.get(FAILURE_REPORTS_KEY)
-        except (RuntimeError, OSError) as exc:  # store trouble (DistError is a RuntimeError);
-            # never a SignalException: a SIGTERM in the settle window must stop the agent.
-            if self._settings.in_ddpjob_pod and not self._settings.is_host:
-                # The store's host is gone (it may be the root cause itself, giving up). If the
-                # store was only slow, the recovery finds it up at once and rejoins: harmless.
-                logger.warning(
-                    "the rendezvous store stopped answering while comparing failure reports "
-                    "(%s): taking its host as lost; a free restart, then a rejoin",
-                    exc,
-                )
-                return False, True
-            logger.warning("could not compare failure reports, charging this one: %s", exc)
+        except (RuntimeError, OSError) as exc:  # store trouble (DistError is a RuntimeError)
+            return self._store_trouble(exc)
+        return None, False
+
+    def _store_trouble(self, exc: Exception) -> tuple[bool, bool]:
+        """``(collateral, store_lost)`` when the store fails us while we compare reports (never
+        a SignalException: a SIGTERM then must stop the agent)."""
+        if self._settings.in_ddpjob_pod and not self._settings.is_host:
+            # The store's host is gone (it may be the root cause itself, giving up). If the
+            # store was only slow, the recovery finds it up at once and rejoins: harmless.
+            logger.warning(
+                "the rendezvous store stopped answering while comparing failure reports "
+                "(%s): taking its host as lost; a free restart, then a rejoin",
+                exc,
+            )
+            return False, True
+        logger.warning("could not compare failure reports, charging this one: %s", exc)
+        return False, False
+
+    def _settle_now(self, group: WorkerGroup, failed_at: float) -> tuple[bool, bool]:
+        """With no restart left: wait (at most the settle window) until an earlier report than
+        ours is in or every node of the round has reported, then say whether ours is collateral.
+        """
+        store, node = group.store, group.group_rank or 0
+        nodes = group.group_world_size or 1
+        if store is None:
             return False, False
-        reports = parse_reports(raw.decode(errors="replace"))
-        root = is_root_cause(reports, node)
+        deadline = time.monotonic() + FAILURE_SETTLE_SECONDS
+        while True:
+            try:
+                reports = parse_reports(
+                    bytes(store.get(FAILURE_REPORTS_KEY)).decode(errors="replace")
+                )
+            except (RuntimeError, OSError) as exc:
+                return self._store_trouble(exc)
+            verdict = settled(reports, node, nodes)
+            if verdict is not None or time.monotonic() >= deadline:
+                self._log_reports(reports, node, collateral=bool(verdict))
+                return bool(verdict), False
+            time.sleep(0.05)
+
+    def _settle(self, recovered: bool) -> None:
+        """Charge the failure we restarted for, or not, now that the next round has formed."""
+        if self._unsettled is None:
+            return
+        store, node = self._unsettled
+        self._unsettled = None
+        if recovered:
+            # The store host changed under us: a membership change, free (the old round's
+            # reports died with its store).
+            self._budget = self._budget.free_restart(after_failure=True)
+            return
+        try:
+            reports = parse_reports(bytes(store.get(FAILURE_REPORTS_KEY)).decode(errors="replace"))
+        except (RuntimeError, OSError) as exc:
+            collateral, store_lost = self._store_trouble(exc)
+            reports, root = [], not (collateral or store_lost)
+        else:
+            root = is_root_cause(reports, node)
+            self._log_reports(reports, node, collateral=not root)
+        if root and self._budget.remaining > 0:
+            self._budget = self._budget.charge()
+            self._charge_pending = True
+        else:
+            self._budget = self._budget.free_restart(after_failure=True)
+
+    @staticmethod
+    def _log_reports(reports: list[FailureReport], node: int, *, collateral: bool) -> None:
         logger.info(
             "failure reports of this round: %s; ours (node %d) is %s",
             ", ".join(f"node {r.node} at {r.at:.3f}" for r in sorted(reports)),
             node,
-            "the root cause" if root else "collateral (free restart)",
+            "collateral (free restart)" if collateral else "the root cause",
         )
-        return not root, False
 
     def _check_uninterruptible_state_timeout(
         self, worker_group: WorkerGroup, timeout: float
@@ -329,12 +443,22 @@ class DdpjobAgent(LocalElasticAgent):
     def _poll_rendezvous(self) -> tuple[int, bool]:
         """``(nodes waiting to join, store lost)``, from one look at the rendezvous store."""
         try:
-            return self._worker_group.spec.rdzv_handler.num_nodes_waiting(), False
-        except RendezvousConnectionError as exc:
+            waiting = self._worker_group.spec.rdzv_handler.num_nodes_waiting()
+            # torch wraps store errors in RendezvousConnectionError; our own look does not
+            self._round_over = frozenset() if self._fast is None else self._fast.round_over()
+        except (RendezvousConnectionError, DistNetworkError, DistStoreError) as exc:
             if self._settings.is_host:
                 raise  # we host the store; if it fails, nothing to wait for
             logger.warning("lost the rendezvous store: %s", exc)
             return 0, True
+        if self._round_over:
+            # A peer restarts or leaves: re-form now, not when our collective breaks.
+            logger.info(
+                "a member of our round announced its end (%s): re-forming",
+                ", ".join(sorted(self._round_over)),
+            )
+            waiting = max(waiting, 1)
+        return waiting, False
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         """Stop workers for a restart: SIGTERM, then SIGKILL after a short wait.
@@ -342,7 +466,24 @@ class DdpjobAgent(LocalElasticAgent):
         torch waits 30 s here. A pod's graceful stop (SIGTERM to the agent) still gets the full
         grace period: torch's ``run()`` calls ``_shutdown`` with it directly.
         """
-        self._shutdown(timeout=RESTART_STOP_SECONDS)
+        # torch types the timeout int, but only adds it to a deadline: a fraction is kept.
+        self._shutdown(timeout=self._stop_seconds)  # type: ignore[arg-type]
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        """torch's shutdown; on SIGTERM/SIGINT we first leave the rendezvous (not as its host:
+        the store goes with us), so peers re-form without us at once (:meth:`_leave`)."""
+        if signals.stopping() and not self._left_run:
+            self._left_run = True
+            self._leave()
+        super()._shutdown(death_sig, timeout)
+
+    def _leave(self) -> None:
+        if self._fast is None or self._settings.is_host:
+            return
+        try:
+            self._fast.leave()
+        except Exception as exc:  # best effort: peers fall back on our heartbeats lapsing
+            logger.warning("could not leave the rendezvous: %s", exc)
 
     # -- rendezvous with store recovery ----------------------------------------------------
 
@@ -351,6 +492,7 @@ class DdpjobAgent(LocalElasticAgent):
         recovered = False
         deadline: float | None = None
         left = (self._store, worker_group.group_world_size)  # the round we are leaving, if any
+        self._expect_survivors()
         while True:
             if self._store_lost:
                 if deadline is None:
@@ -361,6 +503,8 @@ class DdpjobAgent(LocalElasticAgent):
                 self._state.update(phase=Phase.RENDEZVOUS)
             try:
                 super()._rendezvous(worker_group)
+                if self._fast is not None:
+                    self._fast.joined()
                 if recovered:
                     # The old rounds' barriers died with the old store (and whoever waited in
                     # them with its host); their store clients could only hang or fail.
@@ -386,6 +530,7 @@ class DdpjobAgent(LocalElasticAgent):
         if new_nodes is None:
             raise RuntimeError("rendezvous completed without a world size")
         members = _round_members(worker_group.spec.rdzv_handler)
+        self._settle(recovered)
         if self._charge_pending and is_membership_change(
             previous_nodes=self._previous_nodes,
             new_nodes=new_nodes,
@@ -415,6 +560,25 @@ class DdpjobAgent(LocalElasticAgent):
             group_rank_end=max(local) + 1 if local else None,
         )
 
+    def _expect_survivors(self) -> None:
+        """Before rejoining: which members of the last round come back? Those that left or do
+        not answer on their liveness socket are marked gone (torch would wait for their
+        heartbeats to lapse), and the round completes once the others are in (no last call).
+        """
+        fast = self._fast
+        if fast is None or not fast.members or self._store_lost:
+            return
+        try:
+            gone = fast.gone(fast.members)
+            fast.mark_dead(gone)
+        except (RuntimeError, OSError) as exc:  # store trouble: torch's timings apply
+            logger.warning("could not check which peers are alive: %s", exc)
+            fast.expect(None)
+            return
+        if gone:
+            logger.info("gone since the last round: %s", ", ".join(sorted(map(repr, gone))))
+        fast.expect(fast.members - gone)
+
     def _recover_store(self, deadline: float) -> None:
         """Wait for the store host to come back, then replace the dead rendezvous handler."""
         self._state.update(phase=Phase.RECOVERING)
@@ -429,7 +593,13 @@ class DdpjobAgent(LocalElasticAgent):
                     f"the rendezvous store at {host}:{port} did not come back within the join "
                     f"timeout ({self._settings.join_timeout:g}s)"
                 )
-            wait_for_endpoint(host, port, remaining, join_timeout=self._settings.join_timeout)
+            wait_for_endpoint(
+                host,
+                port,
+                remaining,
+                join_timeout=self._settings.join_timeout,
+                cap=RECOVERY_PROBE_CAP_SECONDS,
+            )
             try:
                 handler = rdzv_registry.get_rendezvous_handler(self._params)
                 break
@@ -438,6 +608,7 @@ class DdpjobAgent(LocalElasticAgent):
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         spec.rdzv_handler = handler
         self._rdzv_handler = handler
+        self._fast = self._attach(handler)
         self._store_recoveries += 1
         self._state.update(store_recoveries=self._store_recoveries)
         logger.info(

@@ -53,12 +53,13 @@ def wait_for_endpoint(
     sleep: Callable[[float], None] = time.sleep,
     on_retry: Callable[[Probe], None] | None = None,
     join_timeout: float | None = None,
+    cap: float = 0.5,
 ) -> Probe:
     """Block until ``host:port`` accepts a TCP connection, or raise after ``timeout`` seconds.
 
     Raises :class:`EndpointUnreachableError` naming the endpoint, the last error, the number of
     attempts and the time spent. ``join_timeout`` is the configured limit to name in the message
-    when ``timeout`` is only what is left of it.
+    when ``timeout`` is only what is left of it. ``cap`` is the longest pause between probes.
     """
     start = clock()
     deadline = start + timeout
@@ -80,4 +81,4 @@ def wait_for_endpoint(
             )
         if on_retry is not None:
             on_retry(probe)
-        sleep(min(next_delay(probe.attempts - 1), remaining))
+        sleep(min(next_delay(probe.attempts - 1, cap=cap), remaining))

@@ -7,6 +7,8 @@
 * :func:`is_root_cause` (with :func:`format_report` / :func:`parse_reports`): which node's failure
   started a round's collapse, so that only that node is charged.
 * :func:`exit_code_for_worker`: the agent's exit code after its first failed worker.
+* :func:`round_is_full`: when a rendezvous round may skip torch's last call (the expected nodes
+  are all in).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Hashable, Iterator, Mapping
 
 from ddpjob_worker import contract
 
@@ -22,6 +24,9 @@ DEFAULT_JOIN_TIMEOUT = 600.0
 """torch's c10d rendezvous default ``join_timeout`` (seconds)."""
 DEFAULT_GRACE_SECONDS = 25.0
 """Below Kubernetes' default ``terminationGracePeriodSeconds`` (30 s), so we kill before it does."""
+RECOVERY_PROBE_CAP_SECONDS = 0.2
+"""The longest pause between probes of a lost store host's endpoint: its replacement is up within
+seconds, and every pause after it is up is added to the recovery."""
 HOST_LINGER_SECONDS = 5.0
 """After a failed run, how long the store host keeps the store up once it has closed the
 rendezvous, so that the other agents see the job end instead of a lost host."""
@@ -81,6 +86,13 @@ class Action(enum.StrEnum):
     """A worker failed: restart, charging one restart (may be refunded, see below)."""
     RESTART_FREE = "restart_free"
     """Membership changed (a node waits to join, or the store host was lost): free restart."""
+    RESTART_SETTLE_LATER = "restart_settle_later"
+    """A worker failed and restarts remain: restart at once; whether this node is charged is
+    settled once the next round has formed (every failure report of its members is in by then)."""
+    SETTLE_FIRST = "settle_first"
+    """A worker failed, no restart remains, and it is not known yet whether the failure is this
+    node's own: wait for the peers' failure reports, then decide again. Giving up is final, so
+    it waits; a restart does not."""
     GIVE_UP = "give_up"
     """A worker failed and the budget is used up: stop and exit non-zero."""
 
@@ -91,7 +103,7 @@ def decide(
     remaining_restarts: int,
     nodes_waiting: int,
     store_lost: bool,
-    collateral: bool = False,
+    collateral: bool | None = False,
     restarts_disabled: bool = False,
 ) -> Action:
     """The monitor loop's decision after one look at the workers.
@@ -99,9 +111,10 @@ def decide(
     ``store_lost`` means the rendezvous store did not answer (its host is gone). That is a
     membership change, so it restarts for free even when workers failed because of it.
     ``collateral`` means our workers failed only because another node's failed first (see
-    :func:`is_root_cause`): a free restart. ``restarts_disabled`` is torch's own "stop
-    restarting" decision (its uninterruptible-state watchdog): failed workers are not restarted,
-    whatever the budget says.
+    :func:`is_root_cause`): a free restart; ``None`` means not known yet (the peers' failure
+    reports are still coming in). ``restarts_disabled`` is torch's own "stop restarting" decision
+    (its uninterruptible-state watchdog): failed workers are not restarted, whatever the budget
+    says.
     """
     if status is WorkerStatus.SUCCEEDED:
         return Action.FINISH
@@ -112,6 +125,8 @@ def decide(
     if status is WorkerStatus.FAILED:
         if collateral:
             return Action.RESTART_FREE
+        if collateral is None:
+            return Action.RESTART_SETTLE_LATER if remaining_restarts > 0 else Action.SETTLE_FIRST
         return Action.RESTART_CHARGED if remaining_restarts > 0 else Action.GIVE_UP
     if nodes_waiting > 0:
         return Action.RESTART_FREE
@@ -119,10 +134,18 @@ def decide(
 
 
 RESTART_STOP_SECONDS = 3
-"""How long workers get after SIGTERM when the agent restarts them (not when the pod stops).
+"""How long healthy workers get after SIGTERM when the agent restarts them to admit a waiting
+node (not when the pod stops). Their group is intact, so a SIGTERM handler may still save."""
+BROKEN_STOP_SECONDS = 0.25
+"""The same when the round is over (a worker failed, here or on a peer, or a peer left): the
+group is broken, and a worker blocked in a collective cannot even run a Python signal handler
+until the collective fails, which it does only once the peer's processes are gone. torch's 30 s
+default only delays the rejoin (it cost 30 s per chaos kill); 3 s cost up to a second per
+graceful leave, waiting for the leaving pod's worker to exit.
 
-The group is already broken: a worker blocked in a collective cannot even run a Python signal
-handler, so torch's 30 s default only delays the rejoin (it cost 30 s per chaos kill)."""
+A worker that is computing (not blocked) runs its SIGTERM handler at once; one that would save a
+checkpoint then has 0.25 s. Such a checkpoint could only hold this rank's state of a step its
+group cannot finish: the periodic checkpoint is what a restart resumes from."""
 
 
 def is_membership_change(
@@ -343,9 +366,11 @@ def exit_code_for_worker(exitcode: int) -> int:
 
 
 FAILURE_SETTLE_SECONDS = 1.0
-"""After reporting a worker failure to the round's store, how long an agent waits for earlier
-reports before deciding whether its failure was the root cause. Must exceed the time between
-two agents noticing the same collapse (tens to hundreds of ms) plus a store round trip."""
+"""With no restart left, how long an agent whose workers failed waits at most for its peers'
+failure reports before deciding whether its failure was the root cause (it stops waiting as
+soon as an earlier report arrives or every node of the round has reported). Must exceed the time
+between two agents noticing the same collapse (tens to hundreds of ms) plus a store round trip.
+With restarts left nobody waits: the charge is settled once the next round has formed."""
 FAILURE_REPORTS_KEY = "ddpjob/failures"
 
 
@@ -375,6 +400,20 @@ def parse_reports(text: str) -> list[FailureReport]:
     return reports
 
 
+def settled(reports: list[FailureReport], node: int, nodes: int) -> bool | None:
+    """Whether ``node``'s failure is collateral, if the reports already say: ``True`` once an
+    earlier report than ours is in, ``False`` once all ``nodes`` of the round have reported and
+    ours is the earliest, ``None`` while it could still go either way. Without a report of ours
+    there is nothing to compare: ``False`` (charged, as torch would)."""
+    if all(r.node != node for r in reports):
+        return False
+    if not is_root_cause(reports, node):
+        return True
+    if len({r.node for r in reports}) >= nodes:
+        return False
+    return None
+
+
 def is_root_cause(reports: list[FailureReport], node: int) -> bool:
     """Whether ``node``'s failure is the round's root cause: the earliest report (ties broken by
     node rank, so exactly one node is charged). A node with no report counts as root cause
@@ -383,3 +422,24 @@ def is_root_cause(reports: list[FailureReport], node: int) -> bool:
     if not mine:
         return True
     return min(reports) >= min(mine)
+
+
+def round_is_full(
+    participants: Collection[Hashable],
+    expected: frozenset[Hashable] | None,
+    *,
+    waiting: int,
+    min_nodes: int,
+) -> bool:
+    """Whether a forming rendezvous round may complete now instead of after its last call.
+
+    torch waits ``last_call_timeout`` once ``min_nodes`` have joined, in case more come. After a
+    failure we know who comes: the members of the last round that are still alive
+    (``expected``; the ones that left or died are out). Once all of them have joined, at least
+    ``min_nodes`` are in and no node waits to join, waiting longer only delays training. With no
+    expectation (the first round, or a rendezvous we cannot read) torch's last call applies.
+    """
+    if expected is None or waiting > 0:
+        return False
+    joined = set(participants)
+    return len(joined) >= min_nodes and expected <= joined

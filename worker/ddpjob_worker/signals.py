@@ -33,6 +33,11 @@ def _raise_signal(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
+def stopping() -> bool:
+    """Whether a stop signal (SIGTERM/SIGINT) has been handled: the agent is shutting down."""
+    return _stopping
+
+
 def install() -> None:
     """(Re)install the one-shot handler, unless a stop signal has already been handled."""
     if threading.current_thread() is not threading.main_thread():

@@ -1,0 +1,265 @@
+"""Faster re-forming of torch's c10d (dynamic) rendezvous after a failure or a leave.
+
+torch's ``DynamicRendezvousHandler`` is kept whole; this module adds four things to one handler
+(:meth:`FastRendezvous.attach`), all through its own state machine and state store:
+
+* **A 0.1 s poll while joining.** torch's operation executor sleeps 1 s between looks at the
+  rendezvous state while it waits for others to join (``_Action.SYNC``); every node that waits
+  there loses up to a second after the round completes. Ours looks every 0.1 s.
+* **No last call once the expected nodes are in.** torch waits ``last_call_timeout`` after
+  ``min_nodes`` have joined, for more to come. After a failure the agent knows who comes (the
+  last round's members, minus those gone) and tells us (:meth:`expect`); the round completes
+  as soon as they are all in (:func:`ddpjob_worker.policy.round_is_full`).
+* **The end of a round, announced.** An agent that restarts on its own evidence (its workers
+  failed, a node waits to join) or leaves says so in the store (:meth:`announce_end`); the
+  others look every monitor tick (:meth:`round_over`) and restart at once, instead of when
+  their own collective breaks (gloo may notice late; a worker busy computing notices only at
+  its next collective).
+* **Leaving, not closing.** On SIGTERM an agent writes its node to the run's ``left`` key,
+  announces the end of the round and removes itself from its participants (:meth:`leave`), so
+  peers re-form without it at once instead of waiting for its heartbeats to lapse. torch's
+  ``shutdown`` would close the rendezvous for everyone.
+* **Dead nodes named at once.** Every agent publishes the address of its liveness socket
+  (:mod:`ddpjob_worker.liveness`); after a failure the others probe the old round's members
+  (:meth:`gone`) and mark the dead ones (:meth:`mark_dead`): their heartbeat is set to the
+  epoch, and torch's own sanitizer removes them on the next sync, as it would after the
+  heartbeats lapsed.
+
+Each is an optimisation over torch's behaviour, never a new failure: if the handler is not a
+dynamic one, or its internals are not where torch 2.13 keeps them, :meth:`attach` returns None
+and the agent runs on stock torch behaviour. Store keys are ``ddpjob.<run id>.*``, beside
+torch's ``torch.rendezvous.<run id>*``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _Action,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _RendezvousContext,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+)
+
+from ddpjob_worker import liveness
+from ddpjob_worker.policy import round_is_full
+
+logger = logging.getLogger("ddpjob_worker.rendezvous")
+
+JOIN_POLL_SECONDS = 0.1
+"""How often a joining node looks at the rendezvous state (torch: 1 s)."""
+LEAVE_TIMEOUT_SECONDS = 3.0
+"""How long leaving the rendezvous on SIGTERM may take (it is one compare-and-set, normally ms)."""
+END_FAILURE = "failure"
+"""A member's workers failed (or it gave up): the group is broken."""
+END_LEAVE = "leave"
+"""A member leaves on SIGTERM: the group is broken."""
+END_JOIN = "join"
+"""A node waits to join: the group is intact, the round only grows."""
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_State = Any  # torch's _RendezvousState (private, untyped)
+_REQUIRED = ("_op_executor", "_state_holder", "_this_node", "_settings", "_store")
+
+
+def _key(run_id: str, what: str) -> str:
+    return f"ddpjob.{run_id}.{what}"
+
+
+class FastRendezvous:
+    """The additions above, attached to one ``DynamicRendezvousHandler``."""
+
+    def __init__(self, handler: DynamicRendezvousHandler, *, poll: float = JOIN_POLL_SECONDS):
+        self._handler = handler
+        self._node: _NodeDesc = handler._this_node
+        self._holder = handler._state_holder
+        self._settings = handler._settings
+        self._store: Any = handler._store  # a torch Store (its stub lacks append)
+        self._expected: frozenset[_NodeDesc] | None = None
+        self._members: frozenset[_NodeDesc] = frozenset()
+        self._round: int | None = None
+        handler._op_executor = _Executor(self, poll)
+
+    @classmethod
+    def attach(cls, handler: RendezvousHandler) -> FastRendezvous | None:
+        """Attach to ``handler``, or None if it is not torch 2.13's dynamic handler."""
+        if not isinstance(handler, DynamicRendezvousHandler) or not all(
+            hasattr(handler, name) for name in _REQUIRED
+        ):
+            logger.info("rendezvous handler %s: torch's own timings apply", type(handler).__name__)
+            return None
+        if not isinstance(handler._op_executor, _DistributedRendezvousOpExecutor):
+            return None
+        return cls(handler)
+
+    # -- who is in the round ----------------------------------------------------------------
+
+    @property
+    def node(self) -> _NodeDesc:
+        return self._node
+
+    @property
+    def members(self) -> frozenset[_NodeDesc]:
+        """The participants of the round we joined last."""
+        return self._members
+
+    def joined(self) -> None:
+        """Note the round just joined (call right after ``next_rendezvous``)."""
+        state = self._holder.state
+        self._members = frozenset(state.participants)
+        self._round = state.round
+        self._expected = None
+
+    def expect(self, nodes: frozenset[_NodeDesc] | None) -> None:
+        """The nodes the next round waits for before it completes (None: torch's last call)."""
+        self._expected = nodes
+
+    def expected(self) -> frozenset[_NodeDesc] | None:
+        return self._expected
+
+    def announce_end(self, reason: str) -> None:
+        """Tell the round's members it is over, and why (:data:`END_FAILURE`, :data:`END_LEAVE`,
+        :data:`END_JOIN`). They restart at once instead of when their collective breaks, which
+        gloo notices late or, for a worker busy computing, only at its next collective."""
+        if self._round is not None:
+            self._store.append(self._over_key(), f"{reason};")
+
+    def round_over(self) -> frozenset[str]:
+        """Why our round is over, as its members announced (empty: it is not); one small store
+        request while it is not."""
+        if self._round is None or not self._store.check([self._over_key()]):
+            return frozenset()
+        raw = bytes(self._store.get(self._over_key())).decode(errors="replace")
+        return frozenset(item for item in raw.split(";") if item)
+
+    def _over_key(self) -> str:
+        return _key(self._settings.run_id, f"round.{self._round}.over")
+
+    # -- the run's own keys -----------------------------------------------------------------
+
+    def publish(self, address: str) -> None:
+        """Publish where our liveness socket listens (again on every store: a recovered store
+        starts empty)."""
+        self._store.set(_key(self._settings.run_id, f"alive.{self._node!r}"), address)
+
+    def left(self) -> set[str]:
+        """The nodes (``repr``) that left the run on SIGTERM."""
+        key = _key(self._settings.run_id, "left")
+        if not self._store.check([key]):
+            return set()
+        raw = bytes(self._store.get(key)).decode(errors="replace")
+        return {item for item in raw.split(";") if item}
+
+    def gone(
+        self, nodes: Iterable[_NodeDesc], timeout: float = liveness.PROBE_TIMEOUT_SECONDS
+    ) -> set[_NodeDesc]:
+        """Which of ``nodes`` are gone: they left, or their liveness socket does not answer.
+        A node that never published an address is not judged (torch's heartbeats will)."""
+        others = {node for node in nodes if node != self._node}
+        left = self.left()
+        gone = {node for node in others if repr(node) in left}
+        addresses = {}
+        for node in others - gone:
+            key = _key(self._settings.run_id, f"alive.{node!r}")
+            if self._store.check([key]):
+                addresses[repr(node)] = bytes(self._store.get(key)).decode(errors="replace")
+        dead = liveness.dead_among(addresses, timeout)
+        return gone | {node for node in others if repr(node) in dead}
+
+    # -- changing the state -----------------------------------------------------------------
+
+    def mark_dead(self, nodes: Iterable[_NodeDesc]) -> None:
+        """Expire the heartbeats of ``nodes``: torch's sanitizer removes them on the next sync,
+        exactly as after their heartbeats lapsed (participants, wait list, round epilogue)."""
+        targets = set(nodes)
+        if not targets:
+            return
+        with self._handler._heartbeat_lock:
+            for _ in range(10):  # compare-and-set: retry when another node wrote first
+                _fresh_sync(self._holder)
+                state = self._holder.state
+                present = targets & set(state.last_heartbeats)
+                if not present:
+                    return
+                for node in present:
+                    state.last_heartbeats[node] = _EPOCH
+                self._holder.mark_dirty()
+                if self._holder.sync():
+                    logger.info(
+                        "marked %s as gone in the rendezvous (no liveness answer)",
+                        ", ".join(sorted(map(repr, present))),
+                    )
+                    return
+
+    def leave(self) -> None:
+        """Leave the run without closing it: say so in the ``left`` key, then remove ourselves
+        from the round's participants. Peers re-form without us at once."""
+        self._store.append(_key(self._settings.run_id, "left"), f"{self._node!r};")
+        self.announce_end(END_LEAVE)
+        stop = getattr(self._handler, "_stop_heartbeats", None)
+        if stop is not None:
+            stop()
+        deadline = time.monotonic() + LEAVE_TIMEOUT_SECONDS
+        self._handler._op_executor.run(_RendezvousExitOp(), deadline)
+        logger.info("left the rendezvous (node %r)", self._node)
+
+
+def _fresh_sync(holder: Any) -> None:
+    """Sync the state holder from the store now, past its 1 s cache."""
+    holder._last_sync_time = -1
+    holder.sync()
+
+
+class _Executor(_DistributedRendezvousOpExecutor):
+    """torch's executor; joins poll faster and complete once the expected nodes are in."""
+
+    def __init__(self, fast: FastRendezvous, poll: float) -> None:
+        super().__init__(fast._node, fast._holder, fast._settings)
+        self._fast = fast
+        self._poll = poll
+
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        if isinstance(state_handler, _RendezvousJoinOp):
+            state_handler = self._join(state_handler)
+        super().run(state_handler, deadline, update_deadline)
+
+    def _join(
+        self, join: Callable[[_RendezvousContext, float], _Action]
+    ) -> Callable[[_RendezvousContext, float], _Action]:
+        def handler(ctx: _RendezvousContext, deadline: float) -> _Action:
+            while True:
+                if self._full(ctx.state):
+                    return _Action.MARK_RENDEZVOUS_COMPLETE
+                action = join(ctx, deadline)
+                if action != _Action.SYNC:
+                    return action
+                # torch would sleep 1 s here and sync again; we look every poll interval.
+                time.sleep(self._poll)
+                _fresh_sync(self._state_holder)
+                self._state = self._state_holder.state
+                ctx = _RendezvousContext(self._node, self._state, self._settings)
+
+        return handler
+
+    def _full(self, state: _State) -> bool:
+        if state.closed or state.complete or self._node not in state.participants:
+            return False
+        return round_is_full(
+            state.participants,
+            self._fast.expected(),
+            waiting=len(state.wait_list),
+            min_nodes=self._settings.min_nodes,
+        )
