@@ -11,9 +11,24 @@ polling the training script's log lines every 20 ms:
   survivors;
 * ``master loss``: 3 nodes (2:3), SIGKILL the store host and start it again at the same address:
   kill -> a step of the new round on all 3 nodes (torchrun: the survivors exit, so "failed");
+* ``graceful leave``: 3 nodes (2:3), SIGTERM the agent of a non-master node (what the kubelet
+  does on scale-down, eviction, drain or ``kubectl delete``): signal -> a step at world 2 on
+  both survivors;
+* ``host drain``: 3 nodes (2:3), SIGTERM the store host's agent, and once it has exited start
+  it again at the same address (the operator creates the replacement pod 0 once the old one is
+  gone): signal -> a step of the new round on all 3 nodes;
 * ``step time``: steady-state ms/step with no sleep (the agent is not in the hot path).
 
-Usage: ``python bench/bench_agent.py [--runs 3] [--scenario NAME ...]``. Prints a markdown table.
+Every scenario uses the DDPJob's default rendezvous timings (``spec.rendezvous``: 1 s heartbeats,
+5 missed for a lost node, a 2 s last call), for both launchers. ``--loaded`` runs a busy-loop
+process per core for the whole run, as a node whose CPUs the data loaders keep busy.
+
+Usage: ``python bench/bench_agent.py [--runs 5] [--scenario NAME ...] [--loaded]``. Prints a
+markdown table with the ratio of medians.
+
+``--soak SECONDS`` instead trains 3 nodes (2:3) with ``ddpjob-agent`` for that long with no fault
+and counts the restarts each node saw (goal: 0): with ``--loaded``, the check that the recovery
+timings never take a slow peer for a lost one.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ import argparse
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,11 +45,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
+from ddpjob_operator.api import Rendezvous
 from tests.harness import Cluster, Node
 
 POLL = 0.02
 TIMEOUT = 120.0
 LAUNCHERS = ("torchrun", "ddpjob-agent")
+_DEFAULTS = Rendezvous()
+DDPJOB_TIMINGS = {
+    "last_call_timeout": _DEFAULTS.last_call_seconds,
+    "keep_alive_interval": _DEFAULTS.heartbeat_seconds,
+    "keep_alive_max_attempt": _DEFAULTS.heartbeat_miss_limit,
+}
 
 
 class FailedError(Exception):
@@ -132,6 +155,56 @@ def master_loss(cluster: Cluster, stock: bool) -> float:
     return done - killed
 
 
+def graceful_leave(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    wait_step(nodes, 10)
+    signalled = time.monotonic()
+    os.kill(nodes[2].pid, signal.SIGTERM)
+    survivors = nodes[:2]
+    done = first_time(
+        "a step at world 2",
+        lambda: all(steps_after(n, 2, world=2) for n in survivors),
+        nodes=survivors,
+    )
+    return done - signalled
+
+
+def host_drain(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    wait_step(nodes, 10)
+    signalled = time.monotonic()
+    os.kill(nodes[0].pid, signal.SIGTERM)
+    nodes[0].wait_exit(TIMEOUT)
+    master = cluster.start(0, args(400, 0.05), stock=stock)
+    survivors = nodes[1:]
+    done = first_time(
+        "a step of the new round on all nodes",
+        lambda: steps_after(master, 1) and all(steps_after(n, 2) for n in survivors),
+        nodes=[master, *survivors],
+    )
+    return done - signalled
+
+
+def soak(seconds: float, root: Path) -> int:
+    """Train 3 nodes for ``seconds`` with no fault; print and return the restarts seen."""
+    cluster = Cluster(Path(tempfile.mkdtemp(dir=root)), min_nodes=2, max_nodes=3, **DDPJOB_TIMINGS)
+    try:
+        nodes = [cluster.start(i, args(10**9, 0.05)) for i in range(3)]
+        wait_step(nodes, 10)
+        time.sleep(seconds)
+        dead = [n.index for n in nodes if not n.running()]
+        steps = [max((s for s, _, _ in n.steps()), default=-1) for n in nodes]
+        restarts = [len(n.resumes()) - 1 for n in nodes]
+        gone = sum(n.text().count("as gone in the rendezvous") for n in nodes)
+    finally:
+        cluster.kill_all()
+    print(
+        f"soak {seconds:g}s, 3 nodes: last step {steps}, restarts per node {restarts}, "
+        f"nodes marked gone {gone}, nodes that exited {dead}"
+    )
+    return sum(restarts) + gone + len(dead)
+
+
 def step_time(cluster: Cluster, stock: bool) -> float:
     """Milliseconds per step over steps 20..120 (no sleep), seen from the log of node 0."""
     nodes = [cluster.start(i, args(130, 0.0), stock=stock) for i in range(2)]
@@ -147,6 +220,8 @@ SCENARIOS: dict[str, tuple[Callable[[Cluster, bool], float], dict[str, int], str
     "worker kill": (worker_kill, {"min_nodes": 2, "max_nodes": 2}, "s"),
     "node loss": (node_loss, {"min_nodes": 2, "max_nodes": 3}, "s"),
     "master loss": (master_loss, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "graceful leave": (graceful_leave, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "host drain": (host_drain, {"min_nodes": 2, "max_nodes": 3}, "s"),
     "step time": (step_time, {"min_nodes": 2, "max_nodes": 2}, "ms"),
 }
 
@@ -154,7 +229,7 @@ SCENARIOS: dict[str, tuple[Callable[[Cluster, bool], float], dict[str, int], str
 def run_once(name: str, stock: bool, root: Path) -> float | None:
     scenario, sizes, _ = SCENARIOS[name]
     tmp = Path(tempfile.mkdtemp(dir=root))
-    cluster = Cluster(tmp, **sizes)
+    cluster = Cluster(tmp, **sizes, **DDPJOB_TIMINGS)
     try:
         return scenario(cluster, stock)
     except FailedError as exc:
@@ -177,15 +252,41 @@ def summary(values: list[float | None]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=3, help="runs per scenario and launcher")
+    parser.add_argument("--runs", type=int, default=5, help="runs per scenario and launcher")
     parser.add_argument(
         "--scenario",
         action="append",
         choices=sorted(SCENARIOS),
         help="only these scenarios (repeatable; default: all)",
     )
+    parser.add_argument(
+        "--loaded", action="store_true", help="a busy-loop process per core for the whole run"
+    )
+    parser.add_argument(
+        "--soak", type=float, metavar="SECONDS", help="train with no fault; count restarts"
+    )
     args_ = parser.parse_args(argv)
-    names = args_.scenario or list(SCENARIOS)
+    load = start_load() if args_.loaded else []
+    try:
+        if args_.soak is not None:
+            with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
+                return 1 if soak(args_.soak, Path(root)) else 0
+        results = run_all(args_.scenario or list(SCENARIOS), args_.runs)
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+    print_table(results, args_.scenario or list(SCENARIOS), args_.runs, loaded=args_.loaded)
+    return 0
+
+
+def start_load() -> list[subprocess.Popen[bytes]]:
+    """One busy-loop process per core, at normal priority: they compete with training."""
+    busy = [sys.executable, "-c", "while True: pass"]
+    return [subprocess.Popen(busy) for _ in range(os.cpu_count() or 1)]
+
+
+def run_all(names: list[str], runs: int) -> dict[tuple[str, str], list[float | None]]:
     results: dict[tuple[str, str], list[float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
         for name in names:
@@ -193,15 +294,22 @@ def main(argv: list[str] | None = None) -> int:
                 results[(name, launcher)] = []
             # Interleave the launchers, alternating who goes first, so that drift on a busy
             # 2-core machine (page cache, other load) does not favour one of them.
-            for i in range(args_.runs):
+            for i in range(runs):
                 order = LAUNCHERS if i % 2 == 0 else LAUNCHERS[::-1]
                 for launcher in order:
                     value = run_once(name, launcher == "torchrun", Path(root))
                     shown = "failed" if value is None else f"{value:.2f}"
                     print(f"{name} / {launcher} run {i + 1}: {shown}", file=sys.stderr)
                     results[(name, launcher)].append(value)
+    return results
+
+
+def print_table(
+    results: dict[tuple[str, str], list[float | None]], names: list[str], runs: int, *, loaded: bool
+) -> None:
+    load = ", both cores busy" if loaded else ""
     print(
-        f"\n| Scenario (n={args_.runs}, min / median / max) | torchrun | ddpjob-agent "
+        f"\n| Scenario (n={runs}{load}, min / median / max) | torchrun | ddpjob-agent "
         "| ratio ours/torchrun (median) |"
     )
     print("|---|---|---|---|")
@@ -216,7 +324,6 @@ def main(argv: list[str] | None = None) -> int:
             else "n/a"
         )
         print(f"| {name} ({unit}) | {summary(theirs)} | {summary(ours)} | {ratio} |")
-    return 0
 
 
 if __name__ == "__main__":
