@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ddpjob_worker import liveness
+from ddpjob_worker.liveness import Liveness
 from ddpjob_worker.policy import (
     Action,
     FailureReport,
@@ -56,11 +57,11 @@ def test_a_round_completes_early_only_when_every_expected_node_is_in() -> None:
     assert not round_is_full(["a"], frozenset({"a"}), waiting=0, min_nodes=2)  # below min
 
 
-def test_a_listening_agent_is_alive_and_a_closed_one_is_not() -> None:
+def test_a_listening_agent_is_alive_and_a_closed_one_is_dead() -> None:
     listener = liveness.Listener("127.0.0.1")
-    assert liveness.is_alive(listener.address)
+    assert liveness.probe(listener.address) is Liveness.ALIVE
     listener.close()
-    assert not liveness.is_alive(listener.address)
+    assert liveness.probe(listener.address) is Liveness.DEAD
 
 
 def test_the_kernel_answers_for_a_listener_that_never_accepts() -> None:
@@ -70,7 +71,7 @@ def test_the_kernel_answers_for_a_listener_that_never_accepts() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen(8)
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-        assert all(liveness.is_alive(address) for _ in range(5))
+        assert all(liveness.probe(address) is Liveness.ALIVE for _ in range(5))
 
 
 def test_the_listener_of_a_killed_process_is_dead_at_once() -> None:
@@ -83,10 +84,11 @@ def test_the_listener_of_a_killed_process_is_dead_at_once() -> None:
         assert child.stdout is not None
         address = child.stdout.readline().strip()
         other = liveness.Listener("127.0.0.1")
-        assert liveness.dead_among({"child": address, "other": other.address}) == set()
+        both = {"child": address, "other": other.address}
+        assert liveness.probe_all(both) == {"child": Liveness.ALIVE, "other": Liveness.ALIVE}
         child.kill()
         child.wait(10)
-        assert liveness.dead_among({"child": address, "other": other.address}) == {"child"}
+        assert liveness.probe_all(both) == {"child": Liveness.DEAD, "other": Liveness.ALIVE}
         other.close()
     finally:
         child.kill()
@@ -94,5 +96,24 @@ def test_the_listener_of_a_killed_process_is_dead_at_once() -> None:
 
 
 @pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:notaport", "[::1"])
-def test_a_malformed_address_is_not_alive(address: str) -> None:
-    assert not liveness.is_alive(address, timeout=0.2)
+def test_a_malformed_address_decides_nothing(address: str) -> None:
+    assert liveness.probe(address, timeout=0.2) is Liveness.UNKNOWN
+
+
+def test_no_answer_in_time_decides_nothing() -> None:
+    # A handshake that is never answered looks like a lost machine, or like a packet filter that
+    # drops the probe of a healthy peer: only the heartbeats can tell, so the probe says
+    # unknown, not dead. A listener whose backlog is full drops new handshakes the same way.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(0)
+        port = sock.getsockname()[1]
+        held = [socket.socket() for _ in range(4)]
+        try:
+            for client in held:
+                client.setblocking(False)
+                client.connect_ex(("127.0.0.1", port))
+            assert liveness.probe(f"127.0.0.1:{port}", timeout=0.3) is Liveness.UNKNOWN
+        finally:
+            for client in held:
+                client.close()

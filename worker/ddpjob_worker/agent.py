@@ -289,6 +289,11 @@ class DdpjobAgent(LocalElasticAgent):
                 self._budget.max_restarts,
             )
         self._announce_end(END_FAILURE, store_lost=False)
+        if self._settings.in_ddpjob_pod and not self._left_run:
+            # Our pod fails and is replaced by a new agent: the others re-form without us now,
+            # not when our heartbeats lapse (the rendezvous stays open for the replacement).
+            self._left_run = True
+            self._leave()
         self._stop_seconds = BROKEN_STOP_SECONDS
         self._stop_workers(group)
         group.state = WorkerState.FAILED
@@ -561,15 +566,16 @@ class DdpjobAgent(LocalElasticAgent):
         )
 
     def _expect_survivors(self) -> None:
-        """Before rejoining: which members of the last round come back? Those that left or do
-        not answer on their liveness socket are marked gone (torch would wait for their
-        heartbeats to lapse), and the round completes once the others are in (no last call).
+        """Before rejoining: which members of the last round come back? Those that left or
+        whose liveness socket is closed are marked gone (torch would wait for their heartbeats
+        to lapse), and the round completes once the others are in (no last call). If any member
+        cannot be judged (no answer in time), torch's heartbeats and last call decide.
         """
         fast = self._fast
         if fast is None or not fast.members or self._store_lost:
             return
         try:
-            gone = fast.gone(fast.members)
+            gone, unsure = fast.gone(fast.members)
             fast.mark_dead(gone)
         except (RuntimeError, OSError) as exc:  # store trouble: torch's timings apply
             logger.warning("could not check which peers are alive: %s", exc)
@@ -577,6 +583,14 @@ class DdpjobAgent(LocalElasticAgent):
             return
         if gone:
             logger.info("gone since the last round: %s", ", ".join(sorted(map(repr, gone))))
+        if unsure:
+            # Maybe a lost machine, maybe a dropped probe: torch's heartbeats and last call.
+            logger.info(
+                "no liveness answer (not taken as gone) from %s",
+                ", ".join(sorted(map(repr, unsure))),
+            )
+            fast.expect(None)
+            return
         fast.expect(fast.members - gone)
 
     def _recover_store(self, deadline: float) -> None:

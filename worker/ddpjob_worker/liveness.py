@@ -8,21 +8,23 @@ heartbeats say *who*. Each agent therefore keeps a listening TCP socket open for
 and publishes its address in the rendezvous store. A peer that restarts after a failure connects
 to every other member of the round it leaves:
 
-* refused, or no route: nobody listens there any more, the agent is dead (its process, or its
-  pod's address, is gone);
-* no answer within the timeout: the machine or the network is down; taken as dead too. This is
-  only asked after a collective broke, so there is independent evidence that something failed;
-* accepted: alive. The kernel completes the handshake from the listen backlog, so a busy agent
-  (or a machine with every core loaded) still answers at once.
+* accepted: :attr:`Liveness.ALIVE`. The kernel completes the handshake from the listen backlog,
+  so a busy agent (or a machine with every core loaded) still answers at once;
+* refused, or no route to it: :attr:`Liveness.DEAD`. The address is up and nobody listens there
+  any more (the agent's process is gone), or the address itself is gone;
+* no answer within the timeout, or anything else: :attr:`Liveness.UNKNOWN`. The machine may be
+  down, or a firewall may drop the packets while the peer is fine; only the heartbeats can
+  tell, so nothing is decided on it.
 
-A node wrongly taken as dead only leaves the round: it rejoins when its own workers fail, as a
-replaced pod does. Stdlib only.
+Stdlib only.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import enum
+import errno
 import logging
 import socket
 import threading
@@ -31,7 +33,14 @@ from collections.abc import Iterable, Mapping
 logger = logging.getLogger("ddpjob_worker.liveness")
 
 PROBE_TIMEOUT_SECONDS = 1.0
-"""How long a probe waits for the handshake before it takes the peer as gone."""
+"""How long a probe waits for the handshake before it gives up (the answer is then unknown)."""
+_GONE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
+
+
+class Liveness(enum.Enum):
+    ALIVE = "alive"
+    DEAD = "dead"
+    UNKNOWN = "unknown"
 
 
 class Listener:
@@ -75,25 +84,28 @@ def listen(host: str) -> Listener | None:
         return None
 
 
-def is_alive(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
+def probe(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> Liveness:
     """Whether an agent still listens at ``address`` (``host:port``); see the module doc."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
+            return Liveness.ALIVE
+    except ValueError:  # not an address we published: nothing to judge by
+        return Liveness.UNKNOWN
+    except OSError as exc:
+        return Liveness.DEAD if exc.errno in _GONE_ERRNOS else Liveness.UNKNOWN
 
 
-def dead_among(addresses: Mapping[str, str], timeout: float = PROBE_TIMEOUT_SECONDS) -> set[str]:
-    """The keys of ``addresses`` (node -> ``host:port``) whose agent does not answer, probed in
-    parallel so that the whole check takes at most about ``timeout``."""
+def probe_all(
+    addresses: Mapping[str, str], timeout: float = PROBE_TIMEOUT_SECONDS
+) -> dict[str, Liveness]:
+    """:func:`probe` every value of ``addresses`` (node -> ``host:port``), in parallel, so that
+    the whole check takes at most about ``timeout``."""
     if not addresses:
-        return set()
+        return {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
-        alive = pool.map(lambda address: is_alive(address, timeout), addresses.values())
-        answers = dict(zip(addresses, alive, strict=True))
-    return {node for node, alive in answers.items() if not alive}
+        answers = pool.map(lambda address: probe(address, timeout), addresses.values())
+        return dict(zip(addresses, answers, strict=True))
 
 
 def parse_addresses(items: Iterable[tuple[str, bytes]]) -> dict[str, str]:

@@ -23,7 +23,7 @@ torch's ``DynamicRendezvousHandler`` is kept whole; this module adds four things
   (:mod:`ddpjob_worker.liveness`); after a failure the others probe the old round's members
   (:meth:`gone`) and mark the dead ones (:meth:`mark_dead`): their heartbeat is set to the
   epoch, and torch's own sanitizer removes them on the next sync, as it would after the
-  heartbeats lapsed.
+  heartbeats lapsed. A member that does not answer in time is left to the heartbeats.
 
 Each is an optimisation over torch's behaviour, never a new failure: if the handler is not a
 dynamic one, or its internals are not where torch 2.13 keeps them, :meth:`attach` returns None
@@ -67,7 +67,14 @@ END_JOIN = "join"
 """A node waits to join: the group is intact, the round only grows."""
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _State = Any  # torch's _RendezvousState (private, untyped)
-_REQUIRED = ("_op_executor", "_state_holder", "_this_node", "_settings", "_store")
+_REQUIRED = (
+    "_op_executor",
+    "_state_holder",
+    "_this_node",
+    "_settings",
+    "_store",
+    "_heartbeat_lock",
+)
 
 
 def _key(run_id: str, what: str) -> str:
@@ -160,19 +167,28 @@ class FastRendezvous:
 
     def gone(
         self, nodes: Iterable[_NodeDesc], timeout: float = liveness.PROBE_TIMEOUT_SECONDS
-    ) -> set[_NodeDesc]:
-        """Which of ``nodes`` are gone: they left, or their liveness socket does not answer.
-        A node that never published an address is not judged (torch's heartbeats will)."""
+    ) -> tuple[set[_NodeDesc], set[_NodeDesc]]:
+        """``(gone, unsure)`` among ``nodes``: gone ones left, or nobody listens at their
+        liveness address any more; unsure ones never published one, or did not answer in time
+        (only torch's heartbeats can tell)."""
         others = {node for node in nodes if node != self._node}
         left = self.left()
         gone = {node for node in others if repr(node) in left}
-        addresses = {}
+        addresses, unsure = {}, set()
         for node in others - gone:
             key = _key(self._settings.run_id, f"alive.{node!r}")
             if self._store.check([key]):
                 addresses[repr(node)] = bytes(self._store.get(key)).decode(errors="replace")
-        dead = liveness.dead_among(addresses, timeout)
-        return gone | {node for node in others if repr(node) in dead}
+            else:
+                unsure.add(node)
+        answers = liveness.probe_all(addresses, timeout)
+        for node in others - gone - unsure:
+            answer = answers[repr(node)]
+            if answer is liveness.Liveness.DEAD:
+                gone.add(node)
+            elif answer is liveness.Liveness.UNKNOWN:
+                unsure.add(node)
+        return gone, unsure
 
     # -- changing the state -----------------------------------------------------------------
 
