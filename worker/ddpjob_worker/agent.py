@@ -623,6 +623,8 @@ class DdpjobAgent(LocalElasticAgent):
         spec.rdzv_handler = handler
         self._rdzv_handler = handler
         self._fast = self._attach(handler)
+        if self._fast is not None:
+            self._fast.skip_join_jitter()
         self._store_recoveries += 1
         self._state.update(store_recoveries=self._store_recoveries)
         logger.info(

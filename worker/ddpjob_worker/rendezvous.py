@@ -190,6 +190,16 @@ class FastRendezvous:
                 unsure.add(node)
         return gone, unsure
 
+    def skip_join_jitter(self) -> None:
+        """Skip the random 0-0.3 s sleep torch takes before a handler's first join.
+
+        torch sleeps so that nodes started together do not hit the store at once. Agents that
+        rejoin a store host's replacement were spread out by their own failure detection, and
+        the sleep only delays the round. torch decides it from the cached state's round number
+        (0 on a fresh handler); the first sync of the join replaces that state with the store's.
+        """
+        self._holder.state.round = max(self._holder.state.round, 1)
+
     # -- changing the state -----------------------------------------------------------------
 
     def mark_dead(self, nodes: Iterable[_NodeDesc]) -> None:
