@@ -13,12 +13,17 @@ pure functions in :mod:`ddpjob_worker.policy`):
   ``RendezvousConnectionError`` and exits.
 * A failure is charged only to the node where it started. When one node's worker dies, every
   other node's workers fail too (their collective breaks); each agent reports when its first
-  worker exited (timed to the millisecond, :mod:`ddpjob_worker.exits`) to the round's store
-  and, after a short settle window, only the earliest report is charged. The
-  others restart for free (torch charges every agent).
+  worker exited (timed to the millisecond, :mod:`ddpjob_worker.exits`) to the round's store,
+  restarts at once, and compares the reports once the next round has formed: only the earliest
+  is charged, the others restart for free (torch charges every agent).
+* Recovery waits on no timer it can avoid (:mod:`ddpjob_worker.rendezvous`): the end of a round
+  is announced to its members, a pod stopped by SIGTERM leaves the rendezvous, dead peers are
+  named through their liveness sockets (:mod:`ddpjob_worker.liveness`), and a round completes
+  once the expected survivors are in.
 * torch's own "stop restarting" decision (its uninterruptible-state watchdog) is honoured.
 * In a DDPJob pod, an agent that gives up does not close the rendezvous: its pod fails and is
-  replaced, and the others re-admit the replacement (torch closes it, ending the job).
+  replaced, and the others re-admit the replacement (torch closes it, ending the job); it
+  leaves the rendezvous instead, so they re-form without it at once.
 * Our one-shot SIGTERM/SIGINT handler is reinstalled after every worker start (torch installs
   its own there).
 * Every transition is written to the state file (:mod:`ddpjob_worker.state`).
