@@ -82,6 +82,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def is_idle_spare(pid: int) -> bool:
+    """A warm worker (``ddpjob_worker.warm``) still waiting on its stdin pipe for a worker to
+    become; once handed a worker its stdin is ``/dev/null``."""
+    try:
+        if b"ddpjob_worker.warm" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        return os.readlink(f"/proc/{pid}/fd/0").startswith("pipe:")
+    except OSError:
+        return False
+
+
 def tagged_pids(tag: str) -> list[int]:
     """Live (non-zombie) processes whose environment carries ``DDPJOB_TEST_TAG=tag``."""
     needle = f"{TAG_ENV}={tag}".encode()
@@ -150,7 +161,8 @@ class Node:
         return read_state(self.state_file)
 
     def worker_pids(self) -> list[int]:
-        return [pid for pid in descendants(self.pid) if pid != self.pid]
+        """The agent's workers (and their children), not its idle warm spares."""
+        return [pid for pid in descendants(self.pid) if not is_idle_spare(pid)]
 
     def kill_node(self) -> None:
         """SIGKILL the whole "pod": the agent's process group and every descendant.

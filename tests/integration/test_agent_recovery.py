@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 
 from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
 from ddpjob_worker.state import Phase
-from tests.harness import Cluster, Node, wait_until
+from tests.harness import Cluster, Node, descendants, is_idle_spare, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -102,4 +103,55 @@ def test_a_worker_killed_on_one_node_is_charged_there_only_while_both_restart_at
     assert [n.resumes()[-1][3] for n in nodes] == [1, 1], cluster.logs()
     assert "is the root cause" in nodes[1].text(), cluster.logs()
     assert "is the root cause" not in nodes[0].text(), cluster.logs()
+    cluster.assert_clean()
+
+
+def idle_spares(node: Node) -> list[int]:
+    return [pid for pid in descendants(node.pid) if is_idle_spare(pid)]
+
+
+def _spares_are(node: Node, count: int) -> bool:
+    return len(idle_spares(node)) == count
+
+
+def _resumed_times(node: Node, count: int) -> bool:
+    return len(node.resumes()) == count
+
+
+def test_a_restart_takes_the_warm_spares_and_leaves_none_behind(
+    make_cluster: MakeCluster,
+) -> None:
+    # Each agent keeps a spare with torch imported; a restart hands it the worker's argv and
+    # env. The new workers must be those very processes, and train on without a lost step.
+    cluster = make_cluster(min_nodes=2, max_nodes=2, max_restarts=2)
+    nodes = [cluster.start(i, train_args(80)) for i in range(2)]
+    for node in nodes:
+        wait_until(f"a spare on node {node.index}", partial(_spares_are, node, 1), 60)
+    spares = [idle_spares(node)[0] for node in nodes]
+    (victim,) = nodes[1].worker_pids()
+    os.kill(victim, signal.SIGKILL)
+    for node in nodes:
+        wait_until(f"the restart on node {node.index}", partial(_resumed_times, node, 2), 60)
+    for node, spare in zip(nodes, spares, strict=True):
+        assert f"local rank 0: started warm (pid {spare})" in node.text(), node.text()
+    for node in nodes:
+        assert node.wait_exit(120) == 0, cluster.logs()
+    for node in nodes:
+        (_, second) = node.resumes()
+        assert second[3] == 1, node.resumes()  # TORCHELASTIC_RESTART_COUNT reached the worker
+        assert {s for s, _, _ in node.steps()} == set(range(80)), "a step was lost"
+        assert "workers started warm 1 times" in node.text(), node.text()
+    cluster.assert_clean()  # no spare outlives its agent
+
+
+def test_warm_workers_can_be_turned_off(make_cluster: MakeCluster) -> None:
+    cluster = make_cluster(min_nodes=1, max_nodes=1, max_restarts=1)
+    node = cluster.start(0, train_args(80), env={"DDPJOB_WARM_WORKERS": "0"})
+    wait_until("step 45 (4.5 s of training)", at_world(node, 1, step=45), 90)
+    assert idle_spares(node) == []
+    (victim,) = node.worker_pids()
+    os.kill(victim, signal.SIGKILL)
+    assert node.wait_exit(120) == 0, cluster.logs()
+    assert len(node.resumes()) == 2
+    assert "started warm" not in node.text()
     cluster.assert_clean()

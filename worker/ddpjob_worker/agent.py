@@ -27,6 +27,10 @@ pure functions in :mod:`ddpjob_worker.policy`):
 * Our one-shot SIGTERM/SIGINT handler is reinstalled after every worker start (torch installs
   its own there).
 * Every transition is written to the state file (:mod:`ddpjob_worker.state`).
+* A restart's workers start warm: once a group has run a few seconds, a spare process per local
+  rank imports torch and waits; torch's ``SubprocessHandler`` hands it the next worker's argv and
+  environment instead of starting a cold ``python`` (:mod:`ddpjob_worker.warm`, where the
+  conditions are; ``DDPJOB_WARM_WORKERS=0`` turns it off).
 
 Everything else (starting workers, their env, error files, signal forwarding on shutdown) is
 torch's own code.
@@ -34,12 +38,14 @@ torch's own code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.distributed import DistNetworkError, DistStoreError
@@ -53,7 +59,9 @@ from torch.distributed.elastic.agent.server.api import (  # the exit barrier's k
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing import api as torch_mp_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
@@ -68,7 +76,7 @@ from torch.distributed.elastic.utils.store import (  # the barrier's check-in, t
 )
 from torch.distributed.launcher.api import LaunchConfig
 
-from ddpjob_worker import liveness, signals
+from ddpjob_worker import liveness, signals, warm
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
 from ddpjob_worker.exits import ExitClock
@@ -152,6 +160,10 @@ class DdpjobAgent(LocalElasticAgent):
         self._stop_seconds: float = RESTART_STOP_SECONDS
         self._liveness: liveness.Listener | None = None
         self._fast = self._attach(spec.rdzv_handler)
+        self._warm: warm.WarmPool | None = None
+        if settings.warm_workers and isinstance(spec.entrypoint, str):
+            label = _entrypoint_name(spec.entrypoint, list(spec.args))
+            self._warm = warm.WarmPool(spec.local_world_size, label=label)
         self.gave_up = False
 
     def _attach(self, handler: RendezvousHandler) -> FastRendezvous | None:
@@ -192,11 +204,14 @@ class DdpjobAgent(LocalElasticAgent):
                 group, status, self._failed_at(result, noticed_at)
             )
             if action is Action.CONTINUE:
+                if self._warm is not None and status is WorkerStatus.HEALTHY:
+                    self._warm.tick()
                 if time.monotonic() - last_write >= self._heartbeat_seconds:
                     self._state.update()
                     last_write = time.monotonic()
                 continue
             if action is Action.FINISH:
+                self.close_warm()
                 self._state.update(phase=Phase.SUCCEEDED)
                 self._exit_barrier()  # type: ignore[no-untyped-call]
                 self._check_in_to_left_rounds()
@@ -293,6 +308,7 @@ class DdpjobAgent(LocalElasticAgent):
                 role,
                 self._budget.max_restarts,
             )
+        self.close_warm()
         self._announce_end(END_FAILURE, store_lost=False)
         if self._settings.in_ddpjob_pod and not self._left_run:
             # Our pod fails and is replaced by a new agent: the others re-form without us now,
@@ -445,10 +461,24 @@ class DdpjobAgent(LocalElasticAgent):
         return result
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        ids: dict[int, Any] = super()._start_workers(worker_group)
+        with _handlers_from(self._warm):
+            ids: dict[int, Any] = super()._start_workers(worker_group)
+        if self._warm is not None:
+            self._warm.group_started()
         signals.install()  # torch's PContext.start replaced our handler with its own
         self._exit_clock.watch(pid for pid in ids.values() if isinstance(pid, int))
         return ids
+
+    def close_warm(self) -> None:
+        """Kill the idle warm workers (the agent ends, or its workers will not restart)."""
+        if self._warm is not None:
+            if self._warm.handed_over or self._warm.cold_starts:
+                logger.info(
+                    "workers started warm %d times, cold %d times",
+                    self._warm.handed_over,
+                    self._warm.cold_starts,
+                )
+            self._warm.close()
 
     def _poll_rendezvous(self) -> tuple[int, bool]:
         """``(nodes waiting to join, store lost)``, from one look at the rendezvous store."""
@@ -662,6 +692,41 @@ class DdpjobAgent(LocalElasticAgent):
         return self._budget
 
 
+class _WarmHandler(SubprocessHandler):
+    """torch's handler for one worker process, started from a warm spare when one fits."""
+
+    def __init__(self, pool: warm.WarmPool, **kwargs: Any) -> None:
+        self._pool = pool
+        super().__init__(**kwargs)
+
+    def _popen(self, args: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        redirected = self._stdout is not None or self._stderr is not None
+        proc = self._pool.take(args, env, redirected=redirected)
+        if proc is not None:
+            logger.info("local rank %d: started warm (pid %d)", self.local_rank_id, proc.pid)
+            return proc
+        return super()._popen(args, env)
+
+
+@contextlib.contextmanager
+def _handlers_from(pool: warm.WarmPool | None) -> Iterator[None]:
+    """While torch starts a worker group, make its process context build :class:`_WarmHandler`
+    (torch looks ``get_subprocess_handler`` up in its ``api`` module at that moment)."""
+    if pool is None:
+        yield
+        return
+    original = getattr(torch_mp_api, "get_subprocess_handler")  # noqa: B009 - not re-exported
+
+    def make(**kwargs: Any) -> SubprocessHandler:
+        return _WarmHandler(pool, **kwargs)
+
+    setattr(torch_mp_api, "get_subprocess_handler", make)  # noqa: B010 - a scoped swap
+    try:
+        yield
+    finally:
+        setattr(torch_mp_api, "get_subprocess_handler", original)  # noqa: B010
+
+
 def _round_members(handler: RendezvousHandler) -> frozenset[str] | None:
     """The agents (address, pid, local id) of the round just joined, if the handler says.
 
@@ -784,6 +849,7 @@ def launch(
         shutdown_rdzv = False
         raise
     finally:
+        agent.close_warm()
         if settings.in_ddpjob_pod and not succeeded:
             # Our pod fails and the operator replaces it; the other agents carry on and re-admit
             # the replacement. Closing the rendezvous would end the job on every pod.

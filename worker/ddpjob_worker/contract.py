@@ -37,6 +37,9 @@ DDPJOB_STATE_FILE = "DDPJOB_STATE_FILE"
 """Where the agent keeps its JSON state (round, world size, restarts, last failure)."""
 DDPJOB_GRACE_SECONDS = "DDPJOB_GRACE_SECONDS"
 """How long the agent waits for its workers after forwarding SIGTERM before it kills them."""
+DDPJOB_WARM_WORKERS = "DDPJOB_WARM_WORKERS"
+"""``0`` turns off ddpjob-agent's warm workers (a spare process per local rank with torch
+imported, handed the next restart's worker: :mod:`ddpjob_worker.warm`). On by default."""
 DDPJOB_STORE_READ_TIMEOUT = "DDPJOB_STORE_READ_TIMEOUT"
 """Our short rendezvous-store read timeout (seconds). Only ddpjob-agent applies it (as the c10d
 ``read_timeout``). It is *not* put in ``PET_RDZV_CONF``: torch also uses ``read_timeout`` as the

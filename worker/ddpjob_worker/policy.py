@@ -255,6 +255,9 @@ class Settings:
     exits without closing the rendezvous, so its pod alone is replaced."""
     store_read_timeout: float | None = None
     """``read_timeout`` to give the c10d rendezvous when ``--rdzv-conf`` has none."""
+    warm_workers: bool = True
+    """Keep a spare process per local rank with torch imported for the next restart
+    (``DDPJOB_WARM_WORKERS``, :mod:`ddpjob_worker.warm`)."""
 
 
 def resolve_settings(
@@ -296,6 +299,12 @@ def resolve_settings(
         read_timeout = parse_seconds(
             contract.DDPJOB_STORE_READ_TIMEOUT, env[contract.DDPJOB_STORE_READ_TIMEOUT]
         )
+    warm_workers = True
+    if env.get(contract.DDPJOB_WARM_WORKERS, "").strip():
+        try:
+            warm_workers = parse_bool(env[contract.DDPJOB_WARM_WORKERS])
+        except ValueError as exc:
+            raise ValueError(f"{contract.DDPJOB_WARM_WORKERS}: {exc}") from exc
     return Settings(
         is_host=is_host,
         join_timeout=join_timeout,
@@ -303,6 +312,7 @@ def resolve_settings(
         state_file=state_file,
         in_ddpjob_pod=bool(env.get(contract.DDPJOB_POD_INDEX, "").strip()),
         store_read_timeout=read_timeout,
+        warm_workers=warm_workers,
     )
 
 

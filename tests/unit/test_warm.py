@@ -1,0 +1,216 @@
+"""Warm workers (ddpjob_worker.warm): real spare processes, handed real scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddpjob_worker import contract
+from ddpjob_worker.policy import resolve_settings
+from ddpjob_worker.warm import WarmPool, foreign_changes, parse_command
+
+PY = sys.executable
+
+REPORT = """
+import json, os, sys
+out = {
+    "name": __name__,
+    "file": __file__,
+    "argv": sys.argv,
+    "rank": os.environ.get("RANK"),
+    "path0": sys.path[0],
+    "stdin": sys.stdin.read(),
+    "torch_loaded": "torch" in sys.modules,
+}
+with open(os.environ["REPORT_TO"], "w") as f:
+    json.dump(out, f)
+sys.exit(int(os.environ.get("EXIT_WITH", "0")))
+"""
+
+
+@pytest.fixture
+def pool() -> Iterator[WarmPool]:
+    warm = WarmPool(1, preload=("json",), after_seconds=0)
+    yield warm
+    warm.close()
+
+
+def spare_of(warm: WarmPool) -> int:
+    warm.tick()
+    (pid,) = warm.idle
+    return pid
+
+
+def wait(proc: subprocess.Popen[bytes]) -> int:
+    return proc.wait(timeout=30)
+
+
+def test_torchruns_command_forms_are_recognised_and_nothing_else() -> None:
+    assert parse_command([PY, "-u", "train.py", "--lr", "1"], PY) == ["train.py", "--lr", "1"]
+    assert parse_command([PY, "-u", "-m", "pkg.train", "-x"], PY) == ["-m", "pkg.train", "-x"]
+    assert parse_command([PY, "train.py"], PY) is None  # not torchrun's form: no -u
+    assert parse_command([PY, "-u", "-X", "dev", "train.py"], PY) is None  # another flag
+    assert parse_command([PY, "-u", "-m"], PY) is None
+    assert parse_command(["/other/python", "-u", "train.py"], PY) is None
+    assert parse_command(["numactl", "--cpunodebind=0", PY, "-u", "t.py"], PY) is None
+    assert parse_command(["./train.sh", "-u", "x"], PY) is None  # --no-python
+
+
+def test_only_the_variables_torch_sets_per_worker_may_differ() -> None:
+    spare = {"PATH": "/bin", "PYTHONPATH": "/a", "OMP_NUM_THREADS": "1"}
+    worker = {
+        **spare,
+        "RANK": "3",
+        "LOCAL_RANK": "0",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_ERROR_FILE": "/tmp/e.json",
+    }
+    assert foreign_changes(spare, worker) == []
+    assert foreign_changes(spare, {**worker, "PYTHONPATH": "/b"}) == ["PYTHONPATH"]
+    changed = dict(worker)
+    del changed["OMP_NUM_THREADS"]
+    changed["LD_PRELOAD"] = "x.so"
+    assert foreign_changes(spare, changed) == ["LD_PRELOAD", "OMP_NUM_THREADS"]
+
+
+def test_a_spare_runs_the_script_as_main_with_the_workers_argv_and_env(
+    pool: WarmPool, tmp_path: Path
+) -> None:
+    script = tmp_path / "scripts" / "report.py"
+    script.parent.mkdir()
+    script.write_text(REPORT)
+    report = tmp_path / "report.json"
+    pid = spare_of(pool)
+    env = {**os.environ, "RANK": "5"}
+    os.environ["REPORT_TO"] = str(report)  # not per worker: the spare must have it too
+    try:
+        pool.tick()
+        proc = pool.take(
+            [PY, "-u", str(script), "--a", "b"], {**env, "REPORT_TO": str(report)}, redirected=False
+        )
+    finally:
+        del os.environ["REPORT_TO"]
+    # The spare started before REPORT_TO existed: that is a foreign change, so a cold start.
+    assert proc is None
+    assert pool.cold_starts == 1
+    with pytest.raises(ProcessLookupError):  # the unsuitable spare was killed, not leaked
+        os.kill(pid, 0)
+
+    os.environ["REPORT_TO"] = str(report)
+    try:
+        pid = spare_of(pool)
+        proc = pool.take(
+            [PY, "-u", str(script), "--a", "b"], {**os.environ, "RANK": "5"}, redirected=False
+        )
+    finally:
+        del os.environ["REPORT_TO"]
+    assert proc is not None and proc.pid == pid
+    assert wait(proc) == 0
+    out = json.loads(report.read_text())
+    assert out == {
+        "name": "__main__",
+        "file": str(script),
+        "argv": [str(script), "--a", "b"],
+        "rank": "5",
+        "path0": str(script.parent),
+        "stdin": "",
+        "torch_loaded": False,  # preload=("json",) here; the agent preloads torch
+    }
+    assert pool.handed_over == 1 and pool.idle == []
+
+
+def test_a_module_runs_as_main_and_exit_codes_pass_through(
+    pool: WarmPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "job.py").write_text(REPORT)
+    report = tmp_path / "report.json"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("REPORT_TO", str(report))
+    monkeypatch.setenv("EXIT_WITH", "7")
+    spare_of(pool)
+    proc = pool.take([PY, "-u", "-m", "mypkg.job", "x"], dict(os.environ), redirected=False)
+    assert proc is not None
+    assert wait(proc) == 7
+    out = json.loads(report.read_text())
+    assert out["name"] == "__main__"
+    assert out["argv"] == [str(package / "job.py"), "x"]
+
+
+def test_an_uncaught_exception_exits_1_with_its_traceback(
+    pool: WarmPool, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text("raise ValueError('boom from the worker')\n")
+    spare_of(pool)
+    proc = pool.take([PY, "-u", str(script)], dict(os.environ), redirected=False)
+    assert proc is not None
+    assert wait(proc) == 1
+    assert "ValueError: boom from the worker" in capfd.readouterr().err
+
+
+def test_redirected_output_and_other_commands_start_cold(pool: WarmPool, tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    spare_of(pool)
+    assert pool.take([PY, "-u", str(script)], dict(os.environ), redirected=True) is None
+    spare_of(pool)
+    assert pool.take([PY, "-X", "dev", str(script)], dict(os.environ), redirected=False) is None
+    assert pool.take([PY, "-u", str(script)], dict(os.environ), redirected=False) is None  # empty
+    assert pool.cold_starts == 3 and pool.handed_over == 0
+
+
+def test_a_dead_spare_means_a_cold_start(pool: WarmPool, tmp_path: Path) -> None:
+    pid = spare_of(pool)
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert pool.take([PY, "-u", str(tmp_path / "t.py")], dict(os.environ), redirected=False) is None
+    assert pool.cold_starts == 1
+
+
+def test_spares_wait_for_the_group_to_run_then_fill_every_slot() -> None:
+    warm = WarmPool(2, preload=(), after_seconds=0.5)
+    try:
+        warm.group_started()
+        warm.tick()
+        assert warm.idle == []
+        time.sleep(0.6)
+        warm.tick()
+        assert len(warm.idle) == 2
+    finally:
+        warm.close()
+    assert warm.idle == []
+
+
+def test_closing_the_pool_kills_idle_spares_and_a_closed_pipe_ends_one() -> None:
+    warm = WarmPool(2, preload=(), after_seconds=0)
+    warm.tick()
+    first, second = warm.idle
+    # The agent dies: the spare reads end-of-file on its stdin and exits 0 by itself.
+    spare = warm._spares[0]
+    assert spare.proc.stdin is not None
+    spare.proc.stdin.close()
+    assert spare.proc.wait(timeout=10) == 0
+    warm.close()
+    for pid in (first, second):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_warm_workers_are_on_by_default_and_switched_by_env() -> None:
+    assert resolve_settings({}, {}).warm_workers is True
+    assert resolve_settings({}, {contract.DDPJOB_WARM_WORKERS: "0"}).warm_workers is False
+    assert resolve_settings({}, {contract.DDPJOB_WARM_WORKERS: "true"}).warm_workers is True
+    with pytest.raises(ValueError, match="DDPJOB_WARM_WORKERS"):
+        resolve_settings({}, {contract.DDPJOB_WARM_WORKERS: "sometimes"})

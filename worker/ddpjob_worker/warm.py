@@ -1,0 +1,259 @@
+"""Warm workers: a spare process per local rank with torch imported, ready to become a worker.
+
+A restart's new workers spend most of their start-up in ``import torch`` (0.8 to 1 s on this
+project's 2-core machine, more on a busy node), and every survivor of a failure, a leave or a
+scale-up pays it again. So once a worker group has run for :data:`WARM_AFTER_SECONDS`, the agent
+starts one spare per local rank: ``python -u -m ddpjob_worker.warm <script>``, which imports torch
+and waits on its stdin. When torch's ``SubprocessHandler`` is about to ``Popen`` a worker, the
+agent hands a spare the worker's ``argv`` and environment instead (:meth:`WarmPool.take`); the
+spare sets them and runs the script as ``__main__`` with :mod:`runpy`, as ``python -u script``
+would. Nothing is handed over unless it would behave like a cold start:
+
+* the command must be ``<this python> -u <script> ...`` or ``<this python> -u -m <module> ...``
+  (torchrun's form); any other interpreter, flag, NUMA wrapper or ``--no-python`` starts cold;
+* the worker's stdout and stderr must be inherited (no ``--redirects``/``--tee`` files);
+* the environment may differ from the spare's start-up environment only in the variables torch
+  sets per worker (:data:`PER_WORKER`); anything else (``PYTHONPATH``, ``LD_PRELOAD``,
+  ``OMP_NUM_THREADS`` ...) changed since the spare started means a cold start.
+
+The spare's stdin is a pipe; after the handover it is ``/dev/null`` (a cold worker inherits the
+agent's stdin, which in a pod is ``/dev/null`` too). If the agent dies, the pipe closes and idle
+spares exit. ``DDPJOB_WARM_WORKERS=0`` turns the pool off; each spare costs about one
+``import torch`` of memory (docs/agent.md has the figures).
+
+The handler side (torch's ``SubprocessHandler``) lives in :mod:`ddpjob_worker.agent`; this module
+imports only the standard library (and torch in the spare itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+WARM_AFTER_SECONDS = 3.0
+"""How long a worker group runs before the agent starts its spares: the new workers' own start-up
+(``import torch``, the process group, the checkpoint) gets the cores first."""
+
+MODULE = "ddpjob_worker.warm"
+
+PER_WORKER = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "CUDA_VISIBLE_DEVICES",
+    }
+)
+"""Variables torch's agent sets per worker (``LocalElasticAgent._start_workers``, and
+``CUDA_VISIBLE_DEVICES`` with ``--virtual-local-rank``); ``TORCHELASTIC_*`` too. They are read by
+the training script and by torch when it is used (the process group, CUDA), not by ``import
+torch``, so a spare may take them after the import."""
+
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+
+
+def parse_command(command: Sequence[str], python: str) -> list[str] | None:
+    """The ``argv`` a spare runs for ``command``, or None if only a cold start is equivalent.
+
+    ``[python, "-u", "train.py", "--x"]`` gives ``["train.py", "--x"]``;
+    ``[python, "-u", "-m", "pkg.train", "--x"]`` gives ``["-m", "pkg.train", "--x"]``.
+    """
+    if len(command) < 3 or command[0] != python or command[1] != "-u":
+        return None
+    rest = list(command[2:])
+    if rest[0] == "-m":
+        return rest if len(rest) >= 2 and not rest[1].startswith("-") else None
+    return None if rest[0].startswith("-") else rest
+
+
+def foreign_changes(spare_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
+    """Variables that differ between the spare's start and the worker, beyond :data:`PER_WORKER`."""
+    changed = {
+        k for k in spare_env.keys() | worker_env.keys() if spare_env.get(k) != worker_env.get(k)
+    }
+    return sorted(k for k in changed if k not in PER_WORKER and not k.startswith("TORCHELASTIC_"))
+
+
+class Spare:
+    """One idle spare process and the environment it started with."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], env: dict[str, str]) -> None:
+        self.proc = proc
+        self.env = env
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+class WarmPool:
+    """Spares for one agent's local ranks. Single-threaded: the agent's monitor loop drives it."""
+
+    def __init__(
+        self,
+        slots: int,
+        *,
+        label: str = "",
+        python: str = sys.executable,
+        preload: Sequence[str] = PRELOAD,
+        after_seconds: float = WARM_AFTER_SECONDS,
+    ) -> None:
+        self._slots = slots
+        self._label = label
+        self._python = python
+        self._preload = tuple(preload)
+        self._after_seconds = after_seconds
+        self._spares: list[Spare] = []
+        self._group_started = time.monotonic()
+        self.handed_over = 0
+        self.cold_starts = 0
+
+    def group_started(self) -> None:
+        """A new worker group was started: wait ``after_seconds`` before refilling."""
+        self._group_started = time.monotonic()
+
+    def tick(self) -> None:
+        """Start the missing spares, once the current group has run long enough."""
+        if len(self._spares) >= self._slots:
+            return
+        if time.monotonic() - self._group_started < self._after_seconds:
+            return
+        self._spares = [s for s in self._spares if s.proc.poll() is None]
+        while len(self._spares) < self._slots:
+            env = dict(os.environ)
+            command = [self._python, "-u", "-m", MODULE, "--preload", ",".join(self._preload)]
+            if self._label:
+                command.append(self._label)  # shows in ps; the real argv comes over stdin
+            try:
+                proc = subprocess.Popen(
+                    command, env=env, stdin=subprocess.PIPE, start_new_session=True
+                )
+            except OSError as exc:
+                logger.warning("could not start a warm worker (%s); workers start cold", exc)
+                self._slots = 0
+                return
+            self._spares.append(Spare(proc, env))
+            logger.debug("started warm worker pid %d", proc.pid)
+
+    def take(
+        self, command: Sequence[str], env: Mapping[str, str], *, redirected: bool
+    ) -> subprocess.Popen[bytes] | None:
+        """Hand a spare ``command`` with ``env``, or None (start cold) with the reason logged."""
+        if not self._spares:
+            self.cold_starts += 1
+            return None
+        spare = self._spares.pop(0)
+        argv = parse_command(command, self._python)
+        reason = ""
+        if redirected:
+            reason = "its output is redirected to files"
+        elif argv is None:
+            reason = f"its command is not '{self._python} -u <script|-m module>'"
+        else:
+            changed = foreign_changes(spare.env, env)
+            if changed:
+                reason = f"the environment changed since the spare started ({', '.join(changed)})"
+        if not reason and spare.proc.poll() is not None:
+            reason = f"the spare exited ({spare.proc.returncode})"
+        if not reason and argv is not None:
+            try:
+                self._hand_over(spare, argv, env)
+            except OSError as exc:  # it died between poll() and our write
+                reason = f"could not hand over ({exc})"
+        if reason:
+            logger.info("starting a worker cold: %s", reason)
+            spare.kill()
+            self.cold_starts += 1
+            return None
+        self.handed_over += 1
+        return spare.proc
+
+    @staticmethod
+    def _hand_over(spare: Spare, argv: list[str], env: Mapping[str, str]) -> None:
+        stdin = spare.proc.stdin
+        if stdin is None:
+            raise OSError("the spare has no stdin pipe")
+        payload = json.dumps({"argv": argv, "env": dict(env)}).encode()
+        stdin.write(payload)
+        stdin.close()
+
+    def close(self) -> None:
+        """Kill every idle spare (the agent stops, or its workers stop for good)."""
+        spares, self._spares = self._spares, []
+        for spare in spares:
+            spare.kill()
+
+    @property
+    def idle(self) -> list[int]:
+        return [s.proc.pid for s in self._spares]
+
+
+# -- the spare process -----------------------------------------------------------------------
+
+
+def _preload(names: Sequence[str]) -> None:
+    for name in names:
+        try:
+            __import__(name)
+        except BaseException:  # the worker's own import reports it, as in a cold start
+            return
+
+
+def _stdin_to_devnull() -> None:
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
+
+
+def run(argv: Sequence[str]) -> None:
+    """Import torch, wait for a worker's argv and environment, and run it as ``__main__``.
+
+    ``argv``: ``--preload mod1,mod2`` then, ignored, what the worker will run (for ``ps``).
+    """
+    if len(argv) >= 2 and argv[0] == "--preload":
+        _preload([name for name in argv[1].split(",") if name])
+    data = sys.stdin.buffer.read()
+    if not data:
+        return  # the agent closed the pool or died
+    message = json.loads(data)
+    worker_argv: list[str] = message["argv"]
+    os.environ.clear()
+    os.environ.update(message["env"])
+    _stdin_to_devnull()
+    if worker_argv[0] == "-m":
+        sys.argv = [worker_argv[1], *worker_argv[2:]]  # runpy sets argv[0] to the module's file
+        runpy.run_module(worker_argv[1], run_name="__main__", alter_sys=True)
+        return
+    script = worker_argv[0]
+    sys.argv = list(worker_argv)
+    sys.path[0] = os.path.dirname(os.path.realpath(script))  # as python does for a script
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
