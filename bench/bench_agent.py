@@ -49,6 +49,10 @@ from ddpjob_operator.api import Rendezvous
 from tests.harness import Cluster, Node
 
 POLL = 0.02
+SETTLE_SECONDS = 3.0
+"""How long a job trains before its fault: faults in a real job come minutes or hours in, not in
+its first second (that is a start-up failure). It also lets ddpjob-agent's warm workers (started
+3 s into a worker group, docs/agent.md) import torch; torchrun has nothing to use it for."""
 TIMEOUT = 120.0
 LAUNCHERS = ("torchrun", "ddpjob-agent")
 _DEFAULTS = Rendezvous()
@@ -111,9 +115,15 @@ def wait_step(nodes: list[Node], step: int) -> None:
     )
 
 
+def training(nodes: list[Node]) -> None:
+    """Wait until every node trains, then :data:`SETTLE_SECONDS` more (both launchers)."""
+    wait_step(nodes, 10)
+    time.sleep(SETTLE_SECONDS)
+
+
 def worker_kill(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(2)]
-    wait_step(nodes, 10)
+    training(nodes)
     before = [len(n.resumes()) for n in nodes]
     victim = nodes[1].worker_pids()[0]
     killed = time.monotonic()
@@ -128,7 +138,7 @@ def worker_kill(cluster: Cluster, stock: bool) -> float:
 
 def node_loss(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    wait_step(nodes, 10)
+    training(nodes)
     killed = time.monotonic()
     nodes[2].kill_node()
     survivors = nodes[:2]
@@ -142,7 +152,7 @@ def node_loss(cluster: Cluster, stock: bool) -> float:
 
 def master_loss(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    wait_step(nodes, 10)
+    training(nodes)
     killed = time.monotonic()
     nodes[0].kill_node()
     master = cluster.start(0, args(400, 0.05), stock=stock)
@@ -157,7 +167,7 @@ def master_loss(cluster: Cluster, stock: bool) -> float:
 
 def graceful_leave(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    wait_step(nodes, 10)
+    training(nodes)
     signalled = time.monotonic()
     os.kill(nodes[2].pid, signal.SIGTERM)
     survivors = nodes[:2]
@@ -171,7 +181,7 @@ def graceful_leave(cluster: Cluster, stock: bool) -> float:
 
 def host_drain(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    wait_step(nodes, 10)
+    training(nodes)
     signalled = time.monotonic()
     os.kill(nodes[0].pid, signal.SIGTERM)
     nodes[0].wait_exit(TIMEOUT)
