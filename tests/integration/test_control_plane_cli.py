@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests import tools
+from tests.kube import controlplane
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,9 +102,19 @@ def test_the_death_of_its_starter_takes_every_component_and_pod_along(tmp_path: 
     try:
         run_a_pod(kubeconfig)
         started = descendants(process.pid)
+        (octet,) = [
+            int(claim.name)
+            for claim in controlplane.ROUTES.glob("*")
+            if claim.read_text().strip() == str(process.pid)
+        ]
         process.send_signal(signal.SIGKILL)  # no cleanup of its own
         process.wait(timeout=30)
         assert wait_gone(started) == []
+        # Its addresses stay on lo (the kernel keeps them) until the next start releases them.
+        assert f"inet 10.{octet}." in controlplane._ip("addr", "show", "dev", "lo").stdout
+        assert octet in controlplane.release_abandoned_ranges()
+        assert f"inet 10.{octet}." not in controlplane._ip("addr", "show", "dev", "lo").stdout
+        assert not (controlplane.ROUTES / str(octet)).exists()
     finally:
         if process.poll() is None:
             process.kill()

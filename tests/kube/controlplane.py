@@ -115,11 +115,7 @@ def _claim_pod_range() -> int:
     """A second octet ``c`` for the pods' ``10.<c>.0.0/16`` that overlaps no route of this
     machine; its addresses will be /32s on ``lo`` (local to this machine like loopback's,
     reachable from nowhere else). Ranges whose owner died are released first."""
-    ROUTES.mkdir(parents=True, exist_ok=True)
-    for claim in ROUTES.glob("*"):
-        with contextlib.suppress(OSError, ValueError):
-            if not Path(f"/proc/{int(claim.read_text())}").exists():
-                _release_pod_range(int(claim.name))
+    release_abandoned_ranges()
     taken = _routes()
     for _ in range(200):
         octet = random.randint(100, 250)
@@ -140,6 +136,19 @@ def _claim_pod_range() -> int:
             )
         return octet
     raise ControlPlaneError("no free 10.<c>.0.0/16 range for the pods of a cluster")
+
+
+def release_abandoned_ranges() -> list[int]:
+    """Release the ranges (addresses, cgroups) of clusters whose starter died without cleaning
+    up (a SIGKILL): the kernel removes neither. Returns their octets."""
+    ROUTES.mkdir(parents=True, exist_ok=True)
+    released = []
+    for claim in ROUTES.glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            if not Path(f"/proc/{int(claim.read_text())}").exists():
+                _release_pod_range(int(claim.name))
+                released.append(int(claim.name))
+    return released
 
 
 def _release_pod_range(octet: int) -> None:
