@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker import contract
+from ddpjob_worker import cli, contract, warm
 from ddpjob_worker.policy import resolve_settings
-from ddpjob_worker.warm import WarmPool, foreign_changes, parse_command
+from ddpjob_worker.warm import WarmPool, foreign_changes, parse_command, start_spare
 
 PY = sys.executable
 
@@ -214,3 +214,64 @@ def test_warm_workers_are_on_by_default_and_switched_by_env() -> None:
     assert resolve_settings({}, {contract.DDPJOB_WARM_WORKERS: "true"}).warm_workers is True
     with pytest.raises(ValueError, match="DDPJOB_WARM_WORKERS"):
         resolve_settings({}, {contract.DDPJOB_WARM_WORKERS: "sometimes"})
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_early_spares_are_adopted_up_to_the_slots_with_the_agents_env_and_alive(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    stale = start_spare(preload=())  # the agent's env changes after it started (OMP_NUM_THREADS)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    report = tmp_path / "report.json"
+    monkeypatch.setenv("REPORT_TO", str(report))
+    dead, good, extra = start_spare(preload=()), start_spare(preload=()), start_spare(preload=())
+    assert stale and dead and good and extra
+    os.kill(dead.proc.pid, signal.SIGKILL)
+    dead.proc.wait(timeout=10)
+    pool = WarmPool(1, preload=(), after_seconds=60)
+    try:
+        pool.adopt([stale, dead, good, extra])
+        assert pool.idle == [good.proc.pid]
+        assert not alive(stale.proc.pid) and not alive(extra.proc.pid)
+        script = tmp_path / "t.py"
+        script.write_text(REPORT)
+        env = dict(os.environ, RANK="0")
+        proc = pool.take([PY, "-u", str(script)], env, redirected=False)
+        assert proc is not None and proc.pid == good.proc.pid
+        assert wait(proc) == 0
+        assert json.loads(report.read_text())["rank"] == "0"
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "count"),
+    [
+        (["train.py"], {}, 1),
+        (["train.py"], {contract.PET_NPROC_PER_NODE: "3"}, 3),
+        (["train.py"], {contract.PET_NPROC_PER_NODE: "gpu"}, 1),
+        (["train.py"], {contract.DDPJOB_WARM_WORKERS: "0"}, 0),
+        (["train.py"], {contract.DDPJOB_WARM_WORKERS: "sometimes"}, 0),  # reported later, exit 2
+        (["--no-python", "echo"], {}, 0),
+        (["--help"], {}, 0),
+    ],
+)
+def test_the_agent_starts_early_spares_before_its_own_imports_unless_they_cannot_serve(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str], count: int
+) -> None:
+    asked: list[int] = []
+
+    def start_early(n: int) -> list[warm.Spare]:
+        asked.append(n)
+        return []
+
+    monkeypatch.setattr(warm, "start_early", start_early)
+    cli._early_spares(argv, env)
+    assert asked == ([count] if count else [])

@@ -45,7 +45,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.distributed import DistNetworkError, DistStoreError
@@ -126,6 +126,7 @@ class DdpjobAgent(LocalElasticAgent):
         settings: Settings,
         state: StateWriter,
         heartbeat_seconds: float,
+        early_spares: Sequence[warm.Spare] = (),
     ) -> None:
         if config.logs_specs is None:
             raise ValueError("LaunchConfig.logs_specs must be set (LaunchConfig sets a default)")
@@ -164,6 +165,10 @@ class DdpjobAgent(LocalElasticAgent):
         if settings.warm_workers and isinstance(spec.entrypoint, str):
             label = _entrypoint_name(spec.entrypoint, list(spec.args))
             self._warm = warm.WarmPool(spec.local_world_size, label=label)
+            self._warm.adopt(early_spares)
+        else:
+            for spare in early_spares:
+                spare.kill()
         self.gave_up = False
 
     def _attach(self, handler: RendezvousHandler) -> FastRendezvous | None:
@@ -779,6 +784,7 @@ def launch(
     settings: Settings,
     state: StateWriter,
     heartbeat_seconds: float,
+    early_spares: Sequence[warm.Spare] = (),
 ) -> dict[int, Any]:
     """torch's ``launch_agent``, with our agent, the endpoint wait and the state file.
 
@@ -828,6 +834,7 @@ def launch(
         settings=settings,
         state=state,
         heartbeat_seconds=heartbeat_seconds,
+        early_spares=early_spares,
     )
     shutdown_rdzv = True
     succeeded = False

@@ -17,13 +17,15 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn
 
-from ddpjob_worker import compat, signals
+from ddpjob_worker import compat, signals, warm
 from ddpjob_worker.contract import (
     DDPJOB_GRACE_SECONDS,
     DDPJOB_STATE_FILE,
+    DDPJOB_WARM_WORKERS,
+    PET_NPROC_PER_NODE,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
 )
 from ddpjob_worker.errors import (
@@ -39,6 +41,7 @@ from ddpjob_worker.policy import (
     DEFAULT_HEARTBEAT_SECONDS,
     Settings,
     exit_code_for_worker,
+    parse_bool,
     resolve_settings,
     static_master,
 )
@@ -127,7 +130,7 @@ def _configure(args: argparse.Namespace) -> _Plan:
     return _Plan(config, entrypoint, list(cmd_args), settings)
 
 
-def _run(plan: _Plan, writer: StateWriter) -> None:
+def _run(plan: _Plan, writer: StateWriter, early: list[warm.Spare]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from ddpjob_worker.agent import launch
@@ -141,6 +144,7 @@ def _run(plan: _Plan, writer: StateWriter) -> None:
             settings=plan.settings,
             state=writer,
             heartbeat_seconds=DEFAULT_HEARTBEAT_SECONDS,
+            early_spares=early,
         )
 
     run()
@@ -164,13 +168,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     apply_env_defaults(os.environ)
     signals.install()
 
-    args = build_parser().parse_args(argv)
-    state_file = args.state_file or os.environ.get(DDPJOB_STATE_FILE) or None
-    writer = StateWriter(state_file, max_restarts=args.max_restarts)
-    writer.update(phase=Phase.WAITING)
-    code = _main(args, writer)
+    # Before torch's own import below: the first workers' imports overlap ours.
+    early = _early_spares(argv, os.environ)
+    try:
+        args = build_parser().parse_args(argv)
+        state_file = args.state_file or os.environ.get(DDPJOB_STATE_FILE) or None
+        writer = StateWriter(state_file, max_restarts=args.max_restarts)
+        writer.update(phase=Phase.WAITING)
+        code = _main(args, writer, early)
+    finally:
+        for spare in early:  # the agent has handed them over or killed them, unless it failed
+            if spare.proc.stdin is not None and not spare.proc.stdin.closed:
+                spare.kill()
     signals.ignore()
     return _exit_now(code)
+
+
+def _early_spares(argv: Sequence[str], env: Mapping[str, str]) -> list[warm.Spare]:
+    """Warm workers for the first group (:func:`warm.start_early`), one per
+    ``PET_NPROC_PER_NODE`` (1 when it is not a number), unless they are off or cannot be used."""
+    if {"-h", "--help", "--no-python", "--no_python"} & set(argv) or env.get("PET_NO_PYTHON"):
+        return []
+    try:
+        if not parse_bool(env.get(DDPJOB_WARM_WORKERS, "").strip() or "1"):
+            return []
+    except ValueError:
+        return []  # resolve_settings reports it, naming the variable
+    nproc = env.get(PET_NPROC_PER_NODE, "").strip()
+    return warm.start_early(int(nproc) if nproc.isdigit() and int(nproc) > 0 else 1)
 
 
 def _torch_ok(argv: Sequence[str]) -> bool:
@@ -201,7 +226,7 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _main(args: argparse.Namespace, writer: StateWriter) -> int:
+def _main(args: argparse.Namespace, writer: StateWriter, early: list[warm.Spare]) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
@@ -219,7 +244,7 @@ def _main(args: argparse.Namespace, writer: StateWriter) -> int:
         print(f"ddpjob-agent: error: {exc}", file=sys.stderr, flush=True)
         return fail(str(exc), EXIT_USAGE)
     try:
-        _run(plan, writer)
+        _run(plan, writer, early)
     except SignalException as exc:
         logger.warning("stopped by %s after forwarding it to the workers", exc.sigval.name)
         writer.update(phase=Phase.STOPPED)

@@ -16,6 +16,9 @@ would. Nothing is handed over unless it would behave like a cold start:
   sets per worker (:data:`PER_WORKER`); anything else (``PYTHONPATH``, ``LD_PRELOAD``,
   ``OMP_NUM_THREADS`` ...) changed since the spare started means a cold start.
 
+``ddpjob-agent`` also starts spares before it imports torch itself (:func:`start_early`), for
+its first workers; the agent adopts those whose environment still matches (:meth:`WarmPool.adopt`).
+
 The spare's stdin is a pipe; after the handover it is ``/dev/null`` (a cold worker inherits the
 agent's stdin, which in a pod is ``/dev/null`` too). If the agent dies, the pipe closes and idle
 spares exit. ``DDPJOB_WARM_WORKERS=0`` turns the pool off; each spare costs about one
@@ -110,6 +113,36 @@ class Spare:
             self.proc.wait(timeout=5)
 
 
+def start_spare(
+    label: str = "", *, python: str = sys.executable, preload: Sequence[str] = PRELOAD
+) -> Spare | None:
+    """Start one spare with the current environment, or None (logged) if it cannot start."""
+    env = dict(os.environ)
+    command = [python, "-u", "-m", MODULE, "--preload", ",".join(preload)]
+    if label:
+        command.append(label)  # shows in ps; the real argv comes over stdin
+    try:
+        proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        logger.warning("could not start a warm worker (%s); workers start cold", exc)
+        return None
+    logger.debug("started warm worker pid %d", proc.pid)
+    return Spare(proc, env)
+
+
+def start_early(count: int) -> list[Spare]:
+    """``count`` spares started by ``ddpjob-agent`` before it imports torch itself, so that the
+    first workers' imports overlap the agent's own start-up (a replacement pod's, above all).
+    The agent adopts them (:meth:`WarmPool.adopt`) or kills them."""
+    spares = []
+    for _ in range(count):
+        spare = start_spare()
+        if spare is None:
+            break
+        spares.append(spare)
+    return spares
+
+
 class WarmPool:
     """Spares for one agent's local ranks. Single-threaded: the agent's monitor loop drives it."""
 
@@ -144,20 +177,26 @@ class WarmPool:
             return
         self._spares = [s for s in self._spares if s.proc.poll() is None]
         while len(self._spares) < self._slots:
-            env = dict(os.environ)
-            command = [self._python, "-u", "-m", MODULE, "--preload", ",".join(self._preload)]
-            if self._label:
-                command.append(self._label)  # shows in ps; the real argv comes over stdin
-            try:
-                proc = subprocess.Popen(
-                    command, env=env, stdin=subprocess.PIPE, start_new_session=True
-                )
-            except OSError as exc:
-                logger.warning("could not start a warm worker (%s); workers start cold", exc)
+            spare = start_spare(self._label, python=self._python, preload=self._preload)
+            if spare is None:
                 self._slots = 0
                 return
-            self._spares.append(Spare(proc, env))
-            logger.debug("started warm worker pid %d", proc.pid)
+            self._spares.append(spare)
+
+    def adopt(self, spares: Sequence[Spare]) -> None:
+        """Take spares started before the agent (:func:`start_early`) for the first group.
+
+        One that has exited, is one too many, or started with an environment the workers will
+        not have (torchrun sets ``OMP_NUM_THREADS`` for several local ranks, say) is killed.
+        """
+        for spare in spares:
+            changed = foreign_changes(spare.env, os.environ)
+            if spare.proc.poll() is None and len(self._spares) < self._slots and not changed:
+                self._spares.append(spare)
+                continue
+            if changed:
+                logger.debug("an early spare's environment differs (%s)", ", ".join(changed))
+            spare.kill()
 
     def take(
         self, command: Sequence[str], env: Mapping[str, str], *, redirected: bool
