@@ -73,6 +73,13 @@ def run_a_pod(kubeconfig: str) -> None:
     )  # fmt: skip
 
 
+def held_back(octet: int) -> bool:
+    """Whether the cluster's pod range has its blackhole route: an address of it that is not
+    (or no longer) on lo, a deleted pod's, goes nowhere instead of out the default route."""
+    routes = controlplane._ip("route", "show", "type", "blackhole").stdout.split("\n")
+    return f"blackhole 10.{octet}.0.0/16" in [line.strip() for line in routes]
+
+
 def wait_gone(processes: list[psutil.Process], timeout: float = 30) -> list[str]:
     deadline = time.monotonic() + timeout
     while alive(processes) and time.monotonic() < deadline:
@@ -89,9 +96,18 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
         for component in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"):
             assert component in names
         assert "sleep 600" in names, "the pod's process"
+        (octet,) = [
+            int(claim.name)
+            for claim in controlplane.ROUTES.glob("*")
+            if claim.read_text().strip() == str(process.pid)
+        ]
+        assert held_back(octet)
+        blackholes = controlplane._ip("route", "show", "type", "blackhole").stdout
+        assert controlplane.SERVICE_CIDR in blackholes, "ClusterIPs must not leave either"
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
         assert wait_gone(started) == []
+        assert not held_back(octet), "a clean stop removes its route"
     finally:
         if process.poll() is None:
             process.kill()
@@ -107,13 +123,16 @@ def test_the_death_of_its_starter_takes_every_component_and_pod_along(tmp_path: 
             for claim in controlplane.ROUTES.glob("*")
             if claim.read_text().strip() == str(process.pid)
         ]
+        assert held_back(octet), "a packet for a pod address not on lo must not leave"
         process.send_signal(signal.SIGKILL)  # no cleanup of its own
         process.wait(timeout=30)
         assert wait_gone(started) == []
         # Its addresses stay on lo (the kernel keeps them) until the next start releases them.
         assert f"inet 10.{octet}." in controlplane._ip("addr", "show", "dev", "lo").stdout
+        assert held_back(octet)
         assert octet in controlplane.release_abandoned_ranges()
         assert f"inet 10.{octet}." not in controlplane._ip("addr", "show", "dev", "lo").stdout
+        assert not held_back(octet)
         assert not (controlplane.ROUTES / str(octet)).exists()
     finally:
         if process.poll() is None:

@@ -128,10 +128,18 @@ def _claim_pod_range() -> int:
         except FileExistsError:
             continue
         added = _ip("addr", "add", f"10.{octet}.0.10/32", "dev", INTERFACE)  # the cluster DNS
+        if added.returncode == 0:
+            # The machine's default route would send a packet for an address that is not (or
+            # no longer) on lo, a deleted pod's that DNS still names for one, out of the
+            # machine. The local /32s win over this route; everything else in the range stays
+            # here and is dropped, as a dead pod's address is in a cluster.
+            added = _ip("route", "add", "blackhole", f"10.{octet}.0.0/16")
+        if added.returncode == 0:  # ClusterIPs too: shared by every cluster, so only replaced
+            added = _ip("route", "replace", "blackhole", SERVICE_CIDR)
         if added.returncode != 0:
             _release_pod_range(octet)
             raise ControlPlaneError(
-                f"cannot give the cluster addresses (ip addr add 10.{octet}.0.10/32 dev lo: "
+                f"cannot give the cluster addresses ({' '.join(added.args)}: "
                 f"{added.stderr.strip()}); the process kubelet needs root (CAP_NET_ADMIN)"
             )
         return octet
@@ -154,11 +162,14 @@ def release_abandoned_ranges() -> list[int]:
 def _release_pod_range(octet: int) -> None:
     """The cluster's addresses and its kubelets' cgroups (its nodes are dead by now)."""
     _ip("addr", "flush", "dev", INTERFACE, "to", f"10.{octet}.0.0/16")
+    _ip("route", "del", "blackhole", f"10.{octet}.0.0/16")
     mine = runtime.Cgroups.named("")
     if mine is not None:
         for path in mine.root.glob(f"ddpjob-kube-{octet}-*"):
             runtime.Cgroups(path, mine.v2).remove_all()
     (ROUTES / str(octet)).unlink(missing_ok=True)
+    if not any(ROUTES.glob("*")):  # the last cluster of this machine
+        _ip("route", "del", "blackhole", SERVICE_CIDR)
 
 
 @dataclasses.dataclass
