@@ -1,0 +1,178 @@
+"""Benchmark: recovery of real training from a deleted pod, on the real control plane.
+
+What a user sees after ``kubectl delete pod`` (or a drain, or a preemption): the pod is
+deleted gracefully (SIGTERM, its agent leaves the rendezvous), the operator creates the
+replacement under the same name, the scheduler binds it, a process kubelet starts it, and the
+job trains again. Deleting pod 0 is the hard case: it hosts the c10d store, and its DNS name
+still resolves to the dying pod through its grace period (a ``publishNotReadyAddresses``
+Service keeps a terminating pod in its EndpointSlice; issue 14 point 21). Deleting pod 1 is
+the baseline, in the same run, on the same cluster and job.
+
+The run: the real control plane of the tests (``tests.kube``: kube-apiserver 1.37.2, the real
+scheduler and controllers, 3 process kubelets), the chart installed with helm (the operator is
+the chart's Deployment on a process kubelet), and ``examples/kind-cpu.yaml`` with more steps
+(2 pods x 1 worker of ``examples/train.py``, gloo, a step every 0.1 s, a checkpoint every 50
+steps). Each run waits for both pods to train at world 2 for 5 s, deletes pod 0 or pod 1 (in
+turn, alternating which goes first), and measures from the delete request:
+
+* ``first step``: the first step of a new round logged by any pod;
+* ``full world``: both pods (the replacement included) have logged a step of a new round at
+  world 2.
+
+Polls each pod's log tail every 0.1 s through the API server. Prints a markdown table with the
+ratio of medians (pod 0 / pod 1). Usage: ``python bench/bench_real_recovery.py [--runs 3]``
+(root; builds the control plane when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.*
+from tests import tools
+from tests.e2e.cluster import Kube
+from tests.e2e.conftest import REAL_WORKER_IMAGE, install_on_real
+from tests.kube import fixtures
+from tests.kube.client import ApiError, Client
+from tests.kube.controlplane import ControlPlane
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "kind-cpu"
+STEP_RE = re.compile(r"DDPJOB step=(\d+) rank=(\d+) world=(\d+)")
+RESUME_RE = re.compile(r"DDPJOB resume step=\d+ rank=\d+ world=\d+ restart=(\d+)")
+POLL = 0.1
+TIMEOUT = 300.0
+
+
+def job_manifest() -> str:
+    document = yaml.safe_load((ROOT / "examples" / "kind-cpu.yaml").read_text())
+    spec = document["spec"]["template"]["spec"]
+    for container in [*spec.get("initContainers", []), *spec["containers"]]:
+        container["image"] = REAL_WORKER_IMAGE
+    args = spec["containers"][0]["args"]
+    args[1:4] = ["--steps=1000000", "--step-sleep=0.1", "--ckpt-every=50"]
+    return str(yaml.safe_dump(document, sort_keys=False))
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a pod's log tail says: its uid, its last round (the agent's restart count, or -1),
+    the world sizes of the steps that round has logged."""
+
+    uid: str
+    round: int
+    worlds: frozenset[int]
+
+    def after(self, before: Seen) -> frozenset[int]:
+        """The worlds of this pod's steps in a round newer than ``before``'s."""
+        newer = self.uid != before.uid or self.round > before.round
+        return self.worlds if newer else frozenset()
+
+
+class Watcher:
+    """Reads pods and their logs straight from the API server (a ``kubectl`` per poll would
+    cost more than the poll interval)."""
+
+    def __init__(self, client: Client, namespace: str) -> None:
+        self.client = client
+        self.base = f"/api/v1/namespaces/{namespace}/pods"
+
+    def pod(self, index: int) -> Seen | None:
+        name = f"{JOB}-worker-{index}"
+        try:
+            pod = self.client.get(f"{self.base}/{name}")
+        except ApiError:
+            return None
+        if pod["metadata"].get("deletionTimestamp"):
+            return None
+        response = self.client.session.get(
+            f"{self.client.endpoint.server}{self.base}/{name}/log",
+            params={"container": "trainer", "tailLines": "200"},
+            timeout=10,
+        )
+        lines = response.text.splitlines() if response.ok else []
+        resumes = [(i, m) for i, line in enumerate(lines) if (m := RESUME_RE.search(line))]
+        if not resumes:
+            return Seen(pod["metadata"]["uid"], -1, frozenset())
+        last, match = resumes[-1]
+        worlds = {int(m.group(3)) for line in lines[last + 1 :] if (m := STEP_RE.search(line))}
+        return Seen(pod["metadata"]["uid"], int(match.group(1)), frozenset(worlds))
+
+    def steady(self) -> tuple[Seen, Seen]:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            zero, one = self.pod(0), self.pod(1)
+            if zero and one and 2 in zero.worlds and 2 in one.worlds:
+                return zero, one
+            time.sleep(0.5)
+        raise TimeoutError("the job did not train at world 2 on both pods")
+
+
+def recover(watcher: Watcher, index: int) -> tuple[float, float]:
+    """Delete pod ``index``; seconds to the first step of a new round on any pod, and to both
+    pods stepping at world 2 in new rounds."""
+    watcher.steady()
+    time.sleep(5.0)  # a fault comes later than a round's first seconds
+    before = watcher.steady()
+    start = time.monotonic()
+    watcher.client.delete(f"{watcher.base}/{JOB}-worker-{index}")
+    first: float | None = None
+    while (elapsed := time.monotonic() - start) < TIMEOUT:
+        now = [watcher.pod(i) for i in (0, 1)]
+        worlds = [s.after(b) if s else frozenset() for s, b in zip(now, before, strict=True)]
+        if first is None and any(worlds):
+            first = elapsed
+        if all(2 in w for w in worlds):
+            return first if first is not None else elapsed, elapsed
+        time.sleep(POLL)
+    raise TimeoutError(f"no recovery from deleting pod {index} within {TIMEOUT:.0f} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="ddpjob-bench-real-"))
+    cluster = ControlPlane(workdir / "cluster", nodes=3, before_controllers=fixtures.install_crd)
+    results: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
+    with cluster:
+        kube = Kube(cluster.kubeconfig, str(tools.tool("kubectl")), str(tools.tool("helm")))
+        installed = install_on_real(kube)
+        installed.kube.kubectl("apply", "-f", "-", stdin=job_manifest())
+        watcher = Watcher(cluster.admin(), installed.kube.namespace)
+        for run in range(args.runs):
+            for index in (0, 1) if run % 2 == 0 else (1, 0):
+                first, full = recover(watcher, index)
+                results[index].append((first, full))
+                print(f"run {run + 1}: pod {index} deleted: first step {first:.2f} s, "
+                      f"full world {full:.2f} s", flush=True)  # fmt: skip
+        installed.kube.kubectl("delete", "ddpjob", JOB, "--wait=false")
+    print()
+    print(f"| Deleted (n={args.runs}, min / median / max, s) | first step | full world (2 pods) |")
+    print("|---|---|---|")
+    medians = {}
+    for index, label in ((1, "pod 1 (a worker; baseline)"), (0, "pod 0 (the store host)")):
+        cells = []
+        for k in (0, 1):
+            values = sorted(r[k] for r in results[index])
+            cells.append(f"{values[0]:.2f} / {statistics.median(values):.2f} / {values[-1]:.2f}")
+            medians[index, k] = statistics.median(values)
+        print(f"| {label} | {cells[0]} | {cells[1]} |")
+    print(
+        f"| pod 0 / pod 1 (medians) | {medians[0, 0] / medians[1, 0]:.2f} | "
+        f"{medians[0, 1] / medians[1, 1]:.2f} |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
