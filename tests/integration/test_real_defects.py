@@ -6,25 +6,36 @@ collector decide:
 
 * 2: the Pod Security level ``deploy/`` gives ``ddpjob-system`` admits the pods of a job there,
   and ``restricted`` would refuse them (the Baseline profile);
+* 6: a privileged trainer, or one that adds SYS_ADMIN, gets its pods (the server refuses
+  ``allowPrivilegeEscalation: false`` beside ``privileged: true`` or ``CAP_SYS_ADMIN``);
 * 10: a pod deleted while no operator runs, confirmed by its kubelet (whose final delete with
   grace 0 moves ``deletionTimestamp``), counts as ``Deleted``, not charged;
 * 11: a job deleted and created again under its name waits for the old pods (``NameInUse``)
   and never adopts or counts them;
 * 12: a Service of the job's name that is not the job's is reported, and no pod starts;
 * 16: a template change that CEL's map equality would skip (nodeSelector swapped for affinity)
-  is refused while the job runs.
+  is refused while the job runs;
+* 18: the chart's aggregated ClusterRoles, once the real clusterrole-aggregation controller has
+  folded them in, let whoever holds ``edit`` or ``admin`` in a namespace create, patch and scale
+  DDPJobs there, and whoever holds ``view`` read them only;
+* 19: ``kubectl get all`` does not list a DDPJob and ``kubectl delete all --all`` leaves it
+  (its category is ``ddpjob``, not ``all``).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests import tools
 from tests.kube.fixtures import KubeTest
 
 from .operator_env import RealEnv, real_env, wait_for
@@ -181,3 +192,216 @@ def test_a_template_change_that_cel_map_equality_would_skip_is_refused(real: Rea
     response = real.try_patch_job("eta", swap)
     assert response.status_code == 422, response.text
     assert "spec.template cannot change while the job runs" in response.json()["message"]
+
+
+# ---- 6: a privileged or SYS_ADMIN trainer ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "security",
+    [
+        {"privileged": True},
+        {"capabilities": {"add": ["CAP_SYS_ADMIN"]}},
+        {"capabilities": {"add": ["SYS_ADMIN"]}},
+    ],
+    ids=["privileged", "CAP_SYS_ADMIN", "SYS_ADMIN"],
+)
+def test_a_privileged_or_sys_admin_trainer_gets_its_pods(real: RealEnv, security: JSON) -> None:
+    """The server answers 422 to ``allowPrivilegeEscalation: false`` beside ``privileged: true``
+    or ``capabilities.add: [CAP_SYS_ADMIN]``; the Baseline profile leaves the trainer's security
+    context as the user wrote it there (``SYS_ADMIN``, which the server lets pass, too)."""
+    template = real.manifest("theta", real.namespace)["spec"]["template"]
+    template["spec"]["containers"][0]["securityContext"] = security
+    real.start_operator()
+    real.create_job("theta", template=template)
+    real.run_pods("theta")
+    pods = real.pods("theta")
+    assert [p["metadata"]["name"] for p in pods] == ["theta-worker-0", "theta-worker-1"]
+    for pod in pods:
+        trainer = pod["spec"]["containers"][0]
+        assert trainer["name"] == "trainer"
+        assert trainer["securityContext"] == security, pod["metadata"]["name"]
+    assert real.events(reason="ActionFailed") == []
+    assert real.pod_creations() == 2
+
+
+# ---- 18: DDPJobs through the built-in admin, edit and view roles -----------------------------
+
+
+RBAC = "/apis/rbac.authorization.k8s.io/v1"
+VERBS = ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection")
+ACCESS = [(verb, "") for verb in VERBS] + [
+    (verb, sub) for sub in ("scale", "status") for verb in ("get", "update", "patch")
+]
+"""(verb, subresource) on ``ddpjobs`` asked of the server for each user."""
+READ = {("get", ""), ("list", ""), ("watch", ""), ("get", "scale"), ("get", "status")}
+MANAGE = set(ACCESS) - {("update", "status"), ("patch", "status")}
+"""Everything but writing the status, which is the operator's."""
+
+
+@pytest.fixture
+def user_roles(kube: KubeTest) -> Iterator[dict[str, JSON]]:
+    """The chart's aggregated ClusterRoles, rendered by the real helm for a release of this
+    test's own and applied; deleted afterwards (cluster-scoped: the test namespace's deletion
+    leaves them).
+
+    The session's RBAC (``tests/kube/fixtures.py``) leaves them out: cluster-scoped objects
+    that kubectl applied under a release's names carry no helm ownership, and ``helm install``
+    of that release would refuse to take them over. A release name of its own avoids that."""
+    release = f"agg-{uuid.uuid4().hex[:6]}"
+    values = {"rbac": {"create": True, "aggregateToDefaultRoles": True}}
+    docs = tools.render(values, release=release, namespace=kube.namespace)
+    roles = {d["metadata"]["name"]: d for d in docs if tools.aggregated(d)}
+    assert sorted(roles) == [f"{release}-ddpjob-edit", f"{release}-ddpjob-view"]
+    assert {d["kind"] for d in roles.values()} == {"ClusterRole"}
+    kube.kubectl("apply", "-f", "-", stdin="\n---\n".join(json.dumps(d) for d in roles.values()))
+    try:
+        yield {"edit": roles[f"{release}-ddpjob-edit"], "view": roles[f"{release}-ddpjob-view"]}
+    finally:
+        kube.kubectl("delete", "clusterrole", *roles, "--ignore-not-found", check=False)
+
+
+def bind(kube: KubeTest, cluster_role: str, user: str) -> None:
+    binding = {
+        "metadata": {"name": f"{cluster_role}-{user}"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": cluster_role},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    }  # fmt: skip
+    kube.api.create(f"{RBAC}/namespaces/{kube.namespace}/rolebindings", binding)
+
+
+def granted(kube: KubeTest, user: str, namespace: str) -> set[tuple[str, str]]:
+    """What the server's authorizer (RBAC) allows ``user`` on ``ddpjobs`` in ``namespace``:
+    a SubjectAccessReview per (verb, subresource) of ACCESS, as ``kubectl auth can-i --as``."""
+    allowed = set()
+    for verb, subresource in ACCESS:
+        attributes = {"namespace": namespace, "verb": verb, "group": "ddpjob.io",
+                      "resource": "ddpjobs", "subresource": subresource}  # fmt: skip
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {"user": user, "groups": ["system:authenticated"],
+                     "resourceAttributes": attributes},
+        }  # fmt: skip
+        answer = kube.api.create("/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
+        if answer["status"].get("allowed") is True:
+            allowed.add((verb, subresource))
+    return allowed
+
+
+def test_namespace_users_manage_or_read_ddpjobs_through_the_built_in_roles(
+    real: RealEnv, user_roles: dict[str, JSON]
+) -> None:
+    kube = real.k
+    users = {"admin": "ddpjob-admin-user", "edit": "ddpjob-edit-user", "view": "ddpjob-view-user"}
+    for cluster_role, user in users.items():
+        bind(kube, cluster_role, user)
+    folded_in = {
+        "admin": user_roles["edit"],
+        "edit": user_roles["edit"],
+        "view": user_roles["view"],
+    }
+
+    def aggregated() -> bool:
+        # The real clusterrole-aggregation controller copies the rules of every ClusterRole
+        # whose labels the built-in role's aggregationRule selects.
+        for builtin, ours in folded_in.items():
+            rules = (kube.get(f"{RBAC}/clusterroles/{builtin}") or {}).get("rules") or []
+            if any(rule not in rules for rule in ours["rules"]):
+                return False
+        return True
+
+    wait_for(aggregated, "the chart's rules in the built-in admin, edit and view roles", 30)
+    namespace = real.namespace
+    assert granted(kube, users["admin"], namespace) == MANAGE
+    assert granted(kube, users["edit"], namespace) == MANAGE
+    assert granted(kube, users["view"], namespace) == READ
+    assert granted(kube, users["edit"], "default") == set()  # bound in this namespace only
+
+    # What the server grants, done: kubectl as the edit user creates, patches and scales.
+    editor, viewer = ("--as", users["edit"]), ("--as", users["view"])
+    manifest = yaml.safe_dump(real.manifest("rho", namespace))
+    kube.kubectl(*editor, "create", "-f", "-", stdin=manifest)
+    labels = json.dumps({"metadata": {"labels": {"team": "vision"}}})
+    kube.kubectl(*editor, "patch", "ddpj", "rho", "--type=merge", "-p", labels)
+    kube.kubectl(*editor, "scale", "ddpj/rho", "--replicas=3")
+    job = real.job("rho")
+    assert job is not None
+    assert (job["metadata"]["labels"], job["spec"]["replicas"]) == ({"team": "vision"}, 3)
+    # The view user reads, and is refused the rest.
+    assert kube.kubectl(*viewer, "get", "ddpj", "-o", "name").stdout.split() == [
+        "ddpjob.ddpjob.io/rho"
+    ]
+    assert (
+        kube.kubectl(*viewer, "get", "ddpj", "rho", "-o", "jsonpath={.spec.replicas}").stdout == "3"
+    )
+    other = yaml.safe_dump(real.manifest("sigma", namespace))
+    refused = kube.kubectl(*viewer, "create", "-f", "-", stdin=other, check=False)
+    assert refused.returncode == 1
+    assert (
+        f'User "{users["view"]}" cannot create resource "ddpjobs" in API group "ddpjob.io" '
+        f'in the namespace "{namespace}"'
+    ) in refused.stderr, refused.stderr
+    refused = kube.kubectl(*viewer, "scale", "ddpj/rho", "--replicas=2", check=False)
+    assert refused.returncode == 1
+    assert (
+        f'User "{users["view"]}" cannot patch resource "ddpjobs/scale" in API group "ddpjob.io"'
+    ) in refused.stderr, refused.stderr
+    assert real.job("sigma") is None
+    job = real.job("rho")
+    assert job is not None and job["spec"]["replicas"] == 3
+
+
+# ---- 19: not in the category "all" ----------------------------------------------------------
+
+
+def test_kubectl_get_all_does_not_list_a_job_and_delete_all_leaves_it(
+    real: RealEnv, tmp_path: Path
+) -> None:
+    namespace = real.namespace
+    real.start_operator()
+    job = real.create_job("omega")
+    real.run_pods("omega")
+    service = real.get_object("v1/services", namespace, "omega")
+    assert service is not None
+
+    def kubectl(*args: str) -> str:
+        # A discovery cache of its own: the shared one, written by the session's first kubectl
+        # before the CRD existed, would hide the kind from "all" whatever its categories.
+        return real.k.kubectl("--cache-dir", str(tmp_path / "kubectl-cache"), *args).stdout
+
+    listed = kubectl("get", "all", "-o", "name").split()
+    assert {"pod/omega-worker-0", "pod/omega-worker-1", "service/omega"} <= set(listed), listed
+    assert [name for name in listed if "ddpjob" in name] == []
+    assert kubectl("get", "ddpjob", "-o", "name").split() == ["ddpjob.ddpjob.io/omega"]
+
+    old = {p["metadata"]["uid"] for p in real.pods("omega")}
+    deleted = kubectl("delete", "all", "--all", "--wait=false", "-o", "name")
+    assert sorted(deleted.split()) == ["pod/omega-worker-0", "pod/omega-worker-1", "service/omega"]
+    # The job is untouched, and puts back what kubectl deleted: training goes on.
+    current = real.job("omega")
+    assert current is not None
+    assert current["metadata"]["uid"] == job["metadata"]["uid"]
+    assert "deletionTimestamp" not in current["metadata"]
+
+    def restored() -> bool:
+        pods = [p for p in real.pods("omega") if not p["metadata"].get("deletionTimestamp")]
+        fresh = {p["metadata"]["uid"] for p in pods}
+        again = real.get_object("v1/services", namespace, "omega")
+        return (
+            len(pods) == 2
+            and not fresh & old
+            and again is not None
+            and again["metadata"]["uid"] != service["metadata"]["uid"]
+        )
+
+    wait_for(restored, "the job's pods and Service created again", timeout=60)
+    real.run_pods("omega")
+    status = real.status("omega")
+    assert [(f["reason"], f["charged"]) for f in status["failures"]] == [("Deleted", False)] * 2
+    assert (status["restarts"], status.get("backoffCount", 0)) == (2, 0)
+    # Why: the server's discovery gives the kind the CRD's category only.
+    resources = (real.k.get("/apis/ddpjob.io/v1alpha1") or {})["resources"]
+    ddpjobs = next(r for r in resources if r["name"] == "ddpjobs")
+    assert ddpjobs["categories"] == ["ddpjob"]
