@@ -34,7 +34,12 @@ do, and the rules read the buckets. Every classification rule lives in
   scheduling, config errors) are in ``status.waiting``, the Running condition and Events.
 * Once any pod has succeeded the job is completing: nothing is created or replaced, and the job
   succeeds when no pod is left pending or running (Kubeflow trainer#1982 marks it Succeeded as
-  soon as one worker does, while others still hold GPUs).
+  soon as one worker does, while others still hold GPUs). A pod that is not ready once pod 0,
+  the store host, has succeeded can never join a round (the store is gone, and nothing is
+  re-created): a pod created by a late scale-up or replacement, still waiting to join. It is no
+  longer waited for ``STRANDED_AFTER_SECONDS`` after pod 0 finished, and the job's cleanup
+  (``cleanPodPolicy``) removes it, instead of it holding its node until its agent's join
+  timeout.
 * Otherwise: create the Service and every missing pod ``0..replicas-1``, delete failed pods so
   they can be recreated under the same name, and scale down by deleting the highest indices
   first (pod 0, the rendezvous host, is never removed while the job runs).
@@ -91,6 +96,11 @@ NEVER_STARTED_BACKOFF = (10.0, 300.0)
 INVALID_SPEC = "InvalidSpec"
 """The condition (and reason) of a spec the operator cannot parse; never terminal."""
 DEFERRED_REQUEUE = 1.0
+
+STRANDED_AFTER_SECONDS = 30.0
+"""How long a completing job still waits for its pods that are not ready after pod 0 (the store
+host) succeeded: a member of the last round may still be on its way out (pod 0 finished after
+the round's exit barrier, so every member had finished training by then)."""
 """Seconds until the next pass when this one left work for it (the per-pass bounds)."""
 
 
@@ -913,10 +923,8 @@ def reconcile(
     status = status.model_copy(update={"below_min_since": below_since, "waiting": shown})
 
     verdict = _failure_verdict(job, new_failures, status, now, running, waiting)
-    if verdict is None and completing and not live:
-        verdict = _Verdict(
-            JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully"
-        )
+    success, stranded_due = _success(buckets.succeeded, live, now) if completing else (None, None)
+    verdict = verdict or success
     if verdict is not None:
         return _also(_release_foreign(foreign), _finish(job, pods, status, verdict, now, events))
 
@@ -941,9 +949,35 @@ def reconcile(
         }
     )
     requeue = _sooner(_sooner(_requeue(job, status, now), stuck_due), plan.due)
+    requeue = _sooner(requeue, stranded_due)
     if deferred or buckets.deferred:
         requeue = _sooner(requeue, DEFERRED_REQUEUE)
     return Decision(tuple(actions), status, tuple(events), requeue)
+
+
+def _success(
+    succeeded: Sequence[ObservedPod], live: Sequence[ObservedPod], now: dt.datetime
+) -> tuple[_Verdict | None, float | None]:
+    """A completing job's success: once no pod is live, or once the only live pods are not
+    ready ``STRANDED_AFTER_SECONDS`` after pod 0 succeeded (they can never join a round). Else
+    no verdict, and the seconds until that check is due (``None`` when it never will be: pod 0
+    has not succeeded, its end is unknown, or a live pod is ready)."""
+    if not live:
+        return _Verdict(
+            JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully"
+        ), None
+    host = next((p for p in succeeded if p.index == 0), None)
+    if host is None or host.finished_at is None or any(p.ready for p in live):
+        return None, None
+    left = STRANDED_AFTER_SECONDS - (now - host.finished_at).total_seconds()
+    if left > 0:
+        return None, left
+    names = ", ".join(p.name for p in live)
+    message = (
+        f"pod 0 and the last round succeeded; {names} never joined it and no longer can (the "
+        f"store host is gone): left to cleanPodPolicy"
+    )
+    return _Verdict(JobPhase.SUCCEEDED, "Succeeded", message), None
 
 
 def _also(actions: Sequence[Action], decision: Decision) -> Decision:

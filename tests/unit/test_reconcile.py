@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from ddpjob_operator import api
 from ddpjob_operator.observe import ObservedPod, PodPhase
 from ddpjob_operator.reconcile import (
+    STRANDED_AFTER_SECONDS,
     CreatePod,
     CreateService,
     Decision,
@@ -219,6 +220,46 @@ def test_success_needs_every_live_pod_to_finish() -> None:
     assert kinds(all_done) == []  # cleanPodPolicy Running keeps finished pods for their logs
     assert released(all_done) == [0, 1]
     assert all_done.status.succeeded == 2
+
+
+def test_a_pod_that_never_joined_the_last_round_is_not_waited_for_once_pod_0_is_done() -> None:
+    """A scale-up (or a replacement) that lands as the last round finishes: its pod's agent
+    waits for a store host that will never come back. It holds its node only
+    STRANDED_AFTER_SECONDS past pod 0's end, not the agent's join timeout."""
+    job = make_job(status=running_status(), replicas=3, maxReplicas=3)
+    done = {"exit_code": 0, "finished_at": T0}
+    pods = (pod(0, PodPhase.SUCCEEDED, **done), pod(1, PodPhase.SUCCEEDED, **done))
+    late = pod(2, ready=False)
+    soon = run(job, *pods, late, now=T0 + dt.timedelta(seconds=10))
+    assert soon.status.phase is api.JobPhase.RUNNING
+    assert kinds(soon) == []
+    assert soon.requeue_after == pytest.approx(STRANDED_AFTER_SECONDS - 10)
+    due = run(job, *pods, late, now=T0 + dt.timedelta(seconds=STRANDED_AFTER_SECONDS))
+    assert due.status.phase is api.JobPhase.SUCCEEDED
+    (succeeded,) = [c for c in due.status.conditions if c.type == "Succeeded"]
+    assert "demo-worker-2 never joined it" in succeeded.message
+    assert kinds(due) == [("delete", 2, "Cleanup")]  # cleanPodPolicy Running
+    assert due.status.succeeded == 2 and due.status.restarts == 0
+    assert due.status.backoff_count == 0
+
+
+@pytest.mark.parametrize(
+    "pods",
+    [
+        # A member of the last round still on its way out: ready.
+        (pod(0, PodPhase.SUCCEEDED, exit_code=0, finished_at=T0), pod(1)),
+        # Pod 0, the store host, still runs: a waiting pod may still join it.
+        (pod(0, ready=False), pod(1, PodPhase.SUCCEEDED, exit_code=0, finished_at=T0)),
+        # When pod 0 finished is unknown: no clock to start.
+        (pod(0, PodPhase.SUCCEEDED, exit_code=0), pod(1, ready=False)),
+    ],
+    ids=["a ready pod", "pod 0 still runs", "pod 0's end unknown"],
+)
+def test_a_completing_job_still_waits_for(pods: tuple[ObservedPod, ...]) -> None:
+    job = make_job(status=running_status())
+    later = run(job, *pods, now=T0 + dt.timedelta(hours=1))
+    assert later.status.phase is api.JobPhase.RUNNING
+    assert kinds(later) == []
 
 
 @pytest.mark.parametrize(("policy", "deleted"), [("Running", [1]), ("All", [1, 0]), ("None", [])])
