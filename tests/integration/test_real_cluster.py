@@ -271,25 +271,144 @@ def test_deleting_the_job_leaves_no_pod_service_or_network_policy(real: RealEnv)
     wait_for(everything_gone, "the garbage collector to remove pods, Service, NetworkPolicy", 60)
 
 
+KILL_JUMPS = (24, 64)
+"""The scale-ups the SIGKILL test tries, from 2 pods: 22, then 40 pods to create, more than the
+operator has in flight at once (16, ``controller.CONCURRENCY``), so the creations of one pass
+take several rounds of API calls and a kill at the first new pod leaves some uncreated."""
+
+
+def scale_and_kill_at_first_new_pod(real: RealEnv, job: str, replicas: int) -> set[str]:
+    """Scale ``job`` to ``replicas`` and SIGKILL the operator the moment a watch on the job's
+    pods shows a pod that did not exist before. Returns the pods the watch had seen by then."""
+    process = real.process
+    assert process is not None and process.poll() is None, "the operator is not running"
+    api = real.k.api
+    path = f"/api/v1/namespaces/{real.namespace}/pods"
+    selector = f"ddpjob.io/job-name={job}"
+    listed = api.get(path, labelSelector=selector)
+    before = {p["metadata"]["name"] for p in listed.get("items") or []}
+    seen = set(before)
+    query = {
+        "labelSelector": selector,
+        "watch": "1",
+        "resourceVersion": listed["metadata"]["resourceVersion"],
+        "timeoutSeconds": "60",
+    }
+    deadline = time.monotonic() + 60
+    with api.session.get(
+        api.endpoint.server + path, params=query, stream=True, timeout=(10, 60)
+    ) as response:
+        assert response.status_code == 200, response.text
+        real.scale(job, replicas)  # the watch is open: the first new pod cannot be missed
+        for line in response.iter_lines():
+            if not line:
+                continue
+            event = json.loads(line)
+            assert event["type"] != "ERROR", event
+            name = event["object"]["metadata"]["name"]
+            if event["type"] == "ADDED":
+                seen.add(name)
+                if name not in before:
+                    process.kill()
+                    return seen
+            if time.monotonic() > deadline:
+                break
+    pytest.fail(f"no new pod within 60 s of scaling {job} to {replicas}; pods: {sorted(seen)}")
+
+
+def settled_pods(real: RealEnv, job: str) -> dict[str, str]:
+    """The job's pods, name -> uid, once two listings half a second apart agree (the requests
+    a SIGKILLed operator had in flight have landed)."""
+    listings: list[dict[str, str]] = []
+
+    def settled() -> dict[str, str] | None:
+        time.sleep(0.5)
+        listings.append({p["metadata"]["name"]: p["metadata"]["uid"] for p in real.pods(job)})
+        return listings[-1] if len(listings) > 1 and listings[-1] == listings[-2] else None
+
+    return wait_for(settled, f"the pods of {job} to stop changing", timeout=30)
+
+
+def kill_during_scale_up(
+    real: RealEnv, job: str, replicas: int
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Scale ``job`` up to ``replicas``, SIGKILL the operator at the first new pod; the job's
+    pods (name -> uid) before the scale and once what was in flight has landed."""
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in live(real, job)}
+    seen = scale_and_kill_at_first_new_pod(real, job, replicas)
+    assert real.stop_operator(signal.SIGKILL) == -signal.SIGKILL
+    assert len(seen) > len(before), seen
+    after = settled_pods(real, job)
+    assert {n: after.get(n) for n in before} == before, "a pod of before the scale went"
+    wanted = {f"{job}-worker-{i}" for i in range(len(before), replicas)}
+    assert set(after) - set(before) <= wanted, sorted(after)
+    wait_for(
+        lambda: real.pod_creations() == len(after),
+        "one creation per pod in the audit log (none twice) before the restart",
+        timeout=10,
+    )
+    return before, after
+
+
+def all_running(real: RealEnv, job: str, replicas: int) -> None:
+    """``replicas`` live pods, all running and ready, and the job's status says so."""
+    wait_for(lambda: len(live(real, job)) == replicas, f"{replicas} pods", timeout=60)
+    real.run_pods(job, timeout=120)
+    wait_for(
+        lambda: real.status(job).get("readyReplicas") == replicas, f"{replicas} ready", timeout=60
+    )
+
+
 def test_the_operator_sigkilled_mid_scale_makes_no_duplicate_and_counts_exactly(
     real: RealEnv,
 ) -> None:
+    """The operator SIGKILLed while it creates the pods of a scale-up, then restarted.
+
+    A watch on the job's pods kills it as the first new pod appears. Once the requests it had
+    in flight have landed, some of the new pods must exist and not all: the kill landed
+    mid-scale (if the operator had made them all first, the test lets the restarted operator
+    settle and tries a bigger jump, and fails if no kill landed mid-scale; it never passes
+    without one). The restarted operator must then make exactly the missing pods: every name
+    once, every pod the killed one made kept (same uid), one creation per pod in the API
+    server's audit log, and the job's counts exact."""
     real.start_operator()
-    real.create_job("kappa", replicas=2, maxReplicas=8)
+    real.create_job("kappa", replicas=2, maxReplicas=KILL_JUMPS[-1])
     real.run_pods("kappa")
-    real.scale("kappa", 8)
-    time.sleep(0.3)  # mid-pass: some of the six pods are created, some not yet
-    real.stop_operator(signal.SIGKILL)
-    real.start_operator()
-    wait_for(lambda: len(live(real, "kappa")) == 8, "8 pods", timeout=60)
-    real.run_pods("kappa", timeout=90)
-    wait_for(lambda: real.status("kappa").get("readyReplicas") == 8, "8 ready", timeout=60)
-    time.sleep(2)
-    names = sorted(p["metadata"]["name"] for p in real.pods("kappa"))
-    assert names == [f"kappa-worker-{i}" for i in range(8)]
-    assert real.pod_creations() == 8, "a pod was created twice (409s are not counted)"
-    assert counts(real, "kappa") == (0, 0)
-    assert real.status("kappa")["failures"] == []
+    tried: list[str] = []
+    kept: dict[str, str] = {}
+    target = 0
+    for target in KILL_JUMPS:
+        before, at_kill = kill_during_scale_up(real, "kappa", target)
+        made = len(set(at_kill) - set(before))
+        tried.append(f"{len(before)} -> {target}: {made} of {target - len(before)} new pods made")
+        real.start_operator()
+        if 0 < made < target - len(before):
+            kept = at_kill
+            break
+        # The operator made every pod before the kill landed: settle, try a bigger jump.
+        all_running(real, "kappa", target)
+    assert kept, "the SIGKILL never landed mid-scale:\n" + "\n".join(tried)
+    print("; ".join(tried))
+
+    all_running(real, "kappa", target)
+    time.sleep(2)  # a duplicate creation or a replacement would show by now
+    pods = real.pods("kappa")
+    names = sorted(p["metadata"]["name"] for p in pods)
+    uids = [p["metadata"]["uid"] for p in pods]
+    assert names == sorted(f"kappa-worker-{i}" for i in range(target))
+    assert len(set(uids)) == len(uids) == target
+    now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
+    assert {n: now.get(n) for n in kept} == kept, "a pod the killed operator made was replaced"
+    assert real.pod_creations() == target, "a pod was created twice (409s are not counted)"
+    status = real.status("kappa")
+    counted = {k: status.get(k) for k in ("phase", "replicas", "readyReplicas", "restarts")}
+    assert counted == {
+        "phase": "Running", "replicas": target, "readyReplicas": target, "restarts": 0
+    }, status  # fmt: skip
+    assert status.get("backoffCount", 0) == 0, status
+    assert status.get("succeeded", 0) == 0, status
+    assert status["failures"] == [], status
+    assert status.get("accountedPods", []) == [], status
 
 
 def test_pod0s_node_lost_it_is_force_deleted_and_replaced_uncharged(real: RealEnv) -> None:
