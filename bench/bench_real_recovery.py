@@ -27,7 +27,6 @@ ratio of medians (pod 0 / pod 1). Usage: ``python bench/bench_real_recovery.py [
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -41,14 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 from tests import tools
 from tests.e2e.cluster import Kube
 from tests.e2e.conftest import REAL_WORKER_IMAGE, install_on_real
+from tests.harness import RESUME_RE, STEP_RE
 from tests.kube import fixtures
 from tests.kube.client import ApiError, Client
 from tests.kube.controlplane import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "kind-cpu"
-STEP_RE = re.compile(r"DDPJOB step=(\d+) rank=(\d+) world=(\d+)")
-RESUME_RE = re.compile(r"DDPJOB resume step=\d+ rank=\d+ world=\d+ restart=(\d+)")
 POLL = 0.1
 TIMEOUT = 300.0
 
@@ -100,12 +98,12 @@ class Watcher:
             timeout=10,
         )
         lines = response.text.splitlines() if response.ok else []
-        resumes = [(i, m) for i, line in enumerate(lines) if (m := RESUME_RE.search(line))]
+        resumes = [(i, m) for i, line in enumerate(lines) if (m := RESUME_RE.match(line))]
         if not resumes:
             return Seen(pod["metadata"]["uid"], -1, frozenset())
         last, match = resumes[-1]
-        worlds = {int(m.group(3)) for line in lines[last + 1 :] if (m := STEP_RE.search(line))}
-        return Seen(pod["metadata"]["uid"], int(match.group(1)), frozenset(worlds))
+        worlds = {int(m.group(3)) for line in lines[last + 1 :] if (m := STEP_RE.match(line))}
+        return Seen(pod["metadata"]["uid"], int(match.group(4)), frozenset(worlds))
 
     def steady(self) -> tuple[Seen, Seen]:
         deadline = time.monotonic() + TIMEOUT

@@ -96,12 +96,11 @@ NEVER_STARTED_BACKOFF = (10.0, 300.0)
 INVALID_SPEC = "InvalidSpec"
 """The condition (and reason) of a spec the operator cannot parse; never terminal."""
 DEFERRED_REQUEUE = 1.0
-
+"""Seconds until the next pass when this one left work for it (the per-pass bounds)."""
 STRANDED_AFTER_SECONDS = 30.0
 """How long a completing job still waits for its pods that are not ready after pod 0 (the store
 host) succeeded: a member of the last round may still be on its way out (pod 0 finished after
 the round's exit barrier, so every member had finished training by then)."""
-"""Seconds until the next pass when this one left work for it (the per-pass bounds)."""
 
 
 class DeleteWhy(enum.StrEnum):

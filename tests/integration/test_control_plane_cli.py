@@ -73,6 +73,16 @@ def run_a_pod(kubeconfig: str) -> None:
     )  # fmt: skip
 
 
+def claimed_octet(pid: int) -> int:
+    """The pod range ``10.<octet>.0.0/16`` that the control plane started by ``pid`` claimed."""
+    (octet,) = [
+        int(claim.name)
+        for claim in controlplane.ROUTES.glob("*")
+        if claim.read_text().strip() == str(pid)
+    ]
+    return octet
+
+
 def held_back(octet: int) -> bool:
     """Whether the cluster's pod range has its blackhole route: an address of it that is not
     (or no longer) on lo, a deleted pod's, goes nowhere instead of out the default route."""
@@ -96,11 +106,7 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
         for component in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"):
             assert component in names
         assert "sleep 600" in names, "the pod's process"
-        (octet,) = [
-            int(claim.name)
-            for claim in controlplane.ROUTES.glob("*")
-            if claim.read_text().strip() == str(process.pid)
-        ]
+        octet = claimed_octet(process.pid)
         assert held_back(octet)
         blackholes = controlplane._ip("route", "show", "type", "blackhole").stdout
         assert controlplane.SERVICE_CIDR in blackholes, "ClusterIPs must not leave either"
@@ -118,11 +124,7 @@ def test_the_death_of_its_starter_takes_every_component_and_pod_along(tmp_path: 
     try:
         run_a_pod(kubeconfig)
         started = descendants(process.pid)
-        (octet,) = [
-            int(claim.name)
-            for claim in controlplane.ROUTES.glob("*")
-            if claim.read_text().strip() == str(process.pid)
-        ]
+        octet = claimed_octet(process.pid)
         assert held_back(octet), "a packet for a pod address not on lo must not leave"
         process.send_signal(signal.SIGKILL)  # no cleanup of its own
         process.wait(timeout=30)
