@@ -17,6 +17,15 @@ polling the training script's log lines every 20 ms:
 * ``host drain``: 3 nodes (2:3), SIGTERM the store host's agent, and once it has exited start
   it again at the same address (the operator creates the replacement pod 0 once the old one is
   gone): signal -> a step of the new round on all 3 nodes;
+* ``node freeze``: 3 nodes (2:3), SIGSTOP a non-master node's agent, workers and spares (a
+  silent machine loss: nothing answers, nothing exits, no reset is sent): freeze -> a step at
+  world 2 on both survivors;
+* ``master freeze``: 3 nodes (2:3), the same on the store host: freeze -> a step at world 2 on
+  nodes 1 and 2;
+* ``master loss, no replacement``: 3 nodes (2:3), SIGKILL the store host's whole tree and do
+  not start it again: kill -> a step at world 2 on nodes 1 and 2;
+* ``host handover``: 3 nodes (2:3), SIGTERM the store host's agent and do not start it again:
+  signal -> a step at world 2 on nodes 1 and 2;
 * ``step time``: steady-state ms/step with no sleep over 1,000 steps, once the group has run
   6 s (the agent is not in the hot path; its spares are idle by then).
 
@@ -24,18 +33,29 @@ Every scenario uses the DDPJob's default rendezvous timings (``spec.rendezvous``
 5 missed for a lost node, a 2 s last call), for both launchers. ``--loaded`` runs a busy-loop
 process per core for the whole run, as a node whose CPUs the data loaders keep busy.
 
-Usage: ``python bench/bench_agent.py [--runs 5] [--scenario NAME ...] [--loaded]``. Prints a
-markdown table with the ratio of medians.
+A run that does not recover is shown as ``failed`` when a node it waits on exits, and as
+``timeout`` when nothing happens before the scenario's cap: :data:`TIMEOUT`, or
+:data:`CAP_SECONDS` for the last four above, which neither launcher recovered from when they were
+written. Frozen nodes are killed at the end of each run, and each run checks that nothing it
+started is left.
+
+Usage: ``python bench/bench_agent.py [--runs 5] [--scenario NAME ...] [--loaded]``, e.g.
+``--scenario "node freeze"``. Prints a markdown table with the ratio of medians.
 
 ``--soak SECONDS`` instead trains 3 nodes (2:3) with ``ddpjob-agent`` for that long with no fault
 and counts the restarts each node saw (goal: 0): with ``--loaded``, the check that the recovery
-timings never take a slow peer for a lost one.
+timings never take a slow peer for a lost one. ``--stalls`` adds stalls during the soak: every
+2-6 s (random, ``--seed``) one random node is frozen for 1 s and thawed (a GC pause, a slow
+disk), which must not cost a restart either:
+``python bench/bench_agent.py --soak 300 --stalls [--seed 0] [--loaded]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -55,6 +75,16 @@ SETTLE_SECONDS = 3.0
 its first second (that is a start-up failure). It also lets ddpjob-agent's warm workers (started
 3 s into a worker group, docs/agent.md) import torch; torchrun has nothing to use it for."""
 TIMEOUT = 120.0
+CAP_SECONDS = 60.0
+"""The cap on the silent faults and on the store host lost for good: neither launcher recovered
+from them when these scenarios were written. A recovery within the DDPJob's timings (5 missed
+1 s heartbeats, then a 2 s last call) needs far less."""
+STALL_SECONDS = 1.0
+STALL_GAP = (2.0, 6.0)
+"""``--stalls``: the seconds between two stalls, drawn uniformly."""
+STALL_QUIET_SECONDS = 10.0
+"""``--stalls``: no stall ends later than this before the soak's end, so that a restart the last
+stall causes (after 5 missed heartbeats and a last call) is counted."""
 LAUNCHERS = ("torchrun", "ddpjob-agent")
 _DEFAULTS = Rendezvous()
 DDPJOB_TIMINGS = {
@@ -65,12 +95,24 @@ DDPJOB_TIMINGS = {
 
 
 class FailedError(Exception):
-    """The scenario did not recover (what stock torchrun does on master loss)."""
+    """The scenario did not recover: a node it waited on exited (what stock torchrun does on
+    master loss)."""
 
 
-def first_time(what: str, predicate: Callable[[], bool], *, nodes: list[Node]) -> float:
-    """Poll until ``predicate`` holds; raise Failed if a node exits first or on timeout."""
-    deadline = time.monotonic() + TIMEOUT
+class TimedOutError(FailedError):
+    """The scenario did not recover within its cap: nothing exited, nothing moved on."""
+
+    def __init__(self, message: str, cap: float) -> None:
+        super().__init__(message)
+        self.cap = cap
+
+
+def first_time(
+    what: str, predicate: Callable[[], bool], *, nodes: list[Node], timeout: float = TIMEOUT
+) -> float:
+    """Poll until ``predicate`` holds; raise Failed if a node exits first, TimedOut after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return time.monotonic()
@@ -79,7 +121,10 @@ def first_time(what: str, predicate: Callable[[], bool], *, nodes: list[Node]) -
             codes = {n.index: n.proc.returncode for n in dead}
             raise FailedError(f"{what}: node(s) exited first {codes}")
         time.sleep(POLL)
-    raise FailedError(f"{what}: timed out after {TIMEOUT:g}s")
+    last = {n.index: n.steps()[-1:] for n in nodes}
+    raise TimedOutError(
+        f"{what}: timed out after {timeout:g}s; last (step, rank, world) per node {last}", timeout
+    )
 
 
 def steps_after(node: Node, resumes: int, *, world: int | None = None) -> bool:
@@ -196,22 +241,95 @@ def host_drain(cluster: Cluster, stock: bool) -> float:
     return done - signalled
 
 
-def soak(seconds: float, root: Path) -> int:
-    """Train 3 nodes for ``seconds`` with no fault; print and return the restarts seen."""
+def world_2_after(survivors: list[Node], since: float) -> float:
+    """Seconds from ``since`` to a step at world 2 on every survivor after a new resume (the
+    silent and no-replacement scenarios, capped at :data:`CAP_SECONDS`)."""
+    before = [len(n.resumes()) for n in survivors]
+    done = first_time(
+        "a step at world 2",
+        lambda: all(steps_after(n, b + 1, world=2) for n, b in zip(survivors, before, strict=True)),
+        nodes=survivors,
+        timeout=CAP_SECONDS,
+    )
+    return done - since
+
+
+def node_freeze(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    training(nodes)
+    frozen = time.monotonic()
+    nodes[1].freeze()
+    return world_2_after([nodes[0], nodes[2]], frozen)
+
+
+def master_freeze(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    training(nodes)
+    frozen = time.monotonic()
+    nodes[0].freeze()
+    return world_2_after(nodes[1:], frozen)
+
+
+def master_loss_no_replacement(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    training(nodes)
+    killed = time.monotonic()
+    nodes[0].kill_node()
+    return world_2_after(nodes[1:], killed)
+
+
+def host_handover(cluster: Cluster, stock: bool) -> float:
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    training(nodes)
+    signalled = time.monotonic()
+    os.kill(nodes[0].pid, signal.SIGTERM)
+    return world_2_after(nodes[1:], signalled)
+
+
+def inject_stalls(nodes: list[Node], seconds: float, rng: random.Random) -> int:
+    """For ``seconds``, every :data:`STALL_GAP` seconds freeze a random node for
+    :data:`STALL_SECONDS`, then thaw it; stop :data:`STALL_QUIET_SECONDS` before the end. Return
+    the number of stalls."""
+    deadline = time.monotonic() + seconds
+    stalls = 0
+    while True:
+        gap = rng.uniform(*STALL_GAP)
+        if time.monotonic() + gap + STALL_SECONDS > deadline - STALL_QUIET_SECONDS:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            return stalls
+        time.sleep(gap)
+        node = rng.choice(nodes)
+        node.freeze()
+        try:
+            time.sleep(STALL_SECONDS)
+        finally:
+            node.thaw()
+        stalls += 1
+
+
+def soak(seconds: float, root: Path, *, stalls: bool = False, seed: int = 0) -> int:
+    """Train 3 nodes for ``seconds`` with no fault, or only stalls; print and return the
+    restarts seen."""
     cluster = Cluster(Path(tempfile.mkdtemp(dir=root)), min_nodes=2, max_nodes=3, **DDPJOB_TIMINGS)
     try:
         nodes = [cluster.start(i, args(10**9, 0.05)) for i in range(3)]
         wait_step(nodes, 10)
-        time.sleep(seconds)
+        injected = 0
+        if stalls:
+            injected = inject_stalls(nodes, seconds, random.Random(seed))
+        else:
+            time.sleep(seconds)
         dead = [n.index for n in nodes if not n.running()]
         steps = [max((s for s, _, _ in n.steps()), default=-1) for n in nodes]
         restarts = [len(n.resumes()) - 1 for n in nodes]
         gone = sum(n.text().count("as gone in the rendezvous") for n in nodes)
     finally:
         cluster.kill_all()
+    cluster.assert_clean()
+    shown = f", stalls of {STALL_SECONDS:g}s injected {injected} (seed {seed})" if stalls else ""
     print(
         f"soak {seconds:g}s, 3 nodes: last step {steps}, restarts per node {restarts}, "
-        f"nodes marked gone {gone}, nodes that exited {dead}"
+        f"nodes marked gone {gone}, nodes that exited {dead}{shown}"
     )
     return sum(restarts) + gone + len(dead)
 
@@ -261,32 +379,48 @@ SCENARIOS: dict[str, tuple[Callable[[Cluster, bool], float], dict[str, int], str
     "master loss": (master_loss, {"min_nodes": 2, "max_nodes": 3}, "s"),
     "graceful leave": (graceful_leave, {"min_nodes": 2, "max_nodes": 3}, "s"),
     "host drain": (host_drain, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "node freeze": (node_freeze, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "master freeze": (master_freeze, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "master loss, no replacement": (
+        master_loss_no_replacement,
+        {"min_nodes": 2, "max_nodes": 3},
+        "s",
+    ),
+    "host handover": (host_handover, {"min_nodes": 2, "max_nodes": 3}, "s"),
     "step time": (step_time, {"min_nodes": 2, "max_nodes": 2}, "ms"),
 }
 
 
-def run_once(name: str, stock: bool, root: Path) -> float | None:
+Outcome = float | str
+"""A run's measurement, or why there is none: ``failed`` or ``timeout <cap>s``."""
+
+
+def run_once(name: str, stock: bool, root: Path) -> Outcome:
     scenario, sizes, _ = SCENARIOS[name]
     tmp = Path(tempfile.mkdtemp(dir=root))
     cluster = Cluster(tmp, **sizes, **DDPJOB_TIMINGS)
+    outcome: Outcome
     try:
-        return scenario(cluster, stock)
+        outcome = scenario(cluster, stock)
     except FailedError as exc:
-        print(
-            f"  {name} / {'torchrun' if stock else 'ddpjob-agent'}: failed: {exc}", file=sys.stderr
-        )
-        return None
+        outcome = f"timeout {exc.cap:g}s" if isinstance(exc, TimedOutError) else "failed"
+        launcher = "torchrun" if stock else "ddpjob-agent"
+        print(f"  {name} / {launcher}: {outcome}: {exc}", file=sys.stderr)
     finally:
         cluster.kill_all()
+    cluster.assert_clean()  # frozen nodes too: a leftover would skew the next runs
+    return outcome
 
 
-def summary(values: list[float | None]) -> str:
-    ok = [v for v in values if v is not None]
-    failed = len(values) - len(ok)
+def summary(values: list[Outcome]) -> str:
+    ok = [v for v in values if isinstance(v, float)]
+    failures = collections.Counter(v for v in values if isinstance(v, str))
     if not ok:
-        return f"failed ({failed}/{len(values)})"
+        return ", ".join(f"{why} ({n}/{len(values)})" for why, n in failures.items())
     text = f"{min(ok):.2f} / {statistics.median(ok):.2f} / {max(ok):.2f}"
-    return text + (f" ({failed} failed)" if failed else "")
+    if not failures:
+        return text
+    return f"{text} ({', '.join(f'{n} {why}' for why, n in failures.items())})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,12 +438,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--soak", type=float, metavar="SECONDS", help="train with no fault; count restarts"
     )
+    parser.add_argument(
+        "--stalls",
+        action="store_true",
+        help=f"with --soak: freeze a random node for {STALL_SECONDS:g} s every "
+        f"{STALL_GAP[0]:g}-{STALL_GAP[1]:g} s",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the --stalls random seed")
     args_ = parser.parse_args(argv)
+    if args_.stalls and args_.soak is None:
+        parser.error("--stalls needs --soak")
     load = start_load() if args_.loaded else []
     try:
         if args_.soak is not None:
             with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
-                return 1 if soak(args_.soak, Path(root)) else 0
+                restarts = soak(args_.soak, Path(root), stalls=args_.stalls, seed=args_.seed)
+                return 1 if restarts else 0
         results = run_all(args_.scenario or list(SCENARIOS), args_.runs)
     finally:
         for proc in load:
@@ -325,8 +469,8 @@ def start_load() -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen(busy) for _ in range(os.cpu_count() or 1)]
 
 
-def run_all(names: list[str], runs: int) -> dict[tuple[str, str], list[float | None]]:
-    results: dict[tuple[str, str], list[float | None]] = {}
+def run_all(names: list[str], runs: int) -> dict[tuple[str, str], list[Outcome]]:
+    results: dict[tuple[str, str], list[Outcome]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
         for name in names:
             for launcher in LAUNCHERS:
@@ -337,14 +481,14 @@ def run_all(names: list[str], runs: int) -> dict[tuple[str, str], list[float | N
                 order = LAUNCHERS if i % 2 == 0 else LAUNCHERS[::-1]
                 for launcher in order:
                     value = run_once(name, launcher == "torchrun", Path(root))
-                    shown = "failed" if value is None else f"{value:.2f}"
+                    shown = value if isinstance(value, str) else f"{value:.2f}"
                     print(f"{name} / {launcher} run {i + 1}: {shown}", file=sys.stderr)
                     results[(name, launcher)].append(value)
     return results
 
 
 def print_table(
-    results: dict[tuple[str, str], list[float | None]], names: list[str], runs: int, *, loaded: bool
+    results: dict[tuple[str, str], list[Outcome]], names: list[str], runs: int, *, loaded: bool
 ) -> None:
     load = ", both cores busy" if loaded else ""
     print(
@@ -355,8 +499,8 @@ def print_table(
     for name in names:
         unit = SCENARIOS[name][2]
         theirs, ours = results[(name, "torchrun")], results[(name, "ddpjob-agent")]
-        ok_theirs = [v for v in theirs if v is not None]
-        ok_ours = [v for v in ours if v is not None]
+        ok_theirs = [v for v in theirs if isinstance(v, float)]
+        ok_ours = [v for v in ours if isinstance(v, float)]
         ratio = (
             f"{statistics.median(ok_ours) / statistics.median(ok_theirs):.2f}"
             if ok_theirs and ok_ours

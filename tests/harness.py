@@ -111,9 +111,13 @@ def tagged_pids(tag: str) -> list[int]:
     return pids
 
 
-def _kill(pid: int) -> None:
+def _signal(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
+
+
+def _kill(pid: int) -> None:
+    _signal(pid, signal.SIGKILL)
 
 
 @dataclasses.dataclass
@@ -125,6 +129,8 @@ class Node:
     log: Path
     state_file: Path
     started: float
+    frozen: list[int] = dataclasses.field(default_factory=list)
+    """The pids :meth:`freeze` stopped, for :meth:`thaw` (empty when not frozen)."""
 
     @property
     def pid(self) -> int:
@@ -176,6 +182,29 @@ class Node:
         for pid in victims:
             _kill(pid)
         self.proc.wait(timeout=10)
+
+    def freeze(self) -> None:
+        """SIGSTOP the whole "pod": the agent, its workers and its warm spares.
+
+        A silent machine loss: the processes stay alive and their sockets open, but nothing
+        answers, exits or sends a reset. The agent is stopped first so that it cannot start more
+        processes; one more scan then stops any it started between the first scan and its stop.
+        :meth:`thaw` continues them. No thaw is needed before :meth:`kill_node` or
+        :meth:`Cluster.kill_all`: SIGKILL ends a stopped process.
+        """
+        pids = [self.pid, *descendants(self.pid)]
+        for pid in pids:
+            _signal(pid, signal.SIGSTOP)
+        late = [pid for pid in descendants(self.pid) if pid not in pids]
+        for pid in late:
+            _signal(pid, signal.SIGSTOP)
+        self.frozen = [*self.frozen, *pids, *late]
+
+    def thaw(self) -> None:
+        """SIGCONT the processes :meth:`freeze` stopped, the agent last."""
+        for pid in reversed(self.frozen):
+            _signal(pid, signal.SIGCONT)
+        self.frozen = []
 
     def wait_exit(self, timeout: float) -> int:
         try:
@@ -284,6 +313,11 @@ class Cluster:
         wait_until(f"no processes left (tag {self.tag})", lambda: not self.leftovers(), timeout)
 
     def kill_all(self) -> None:
+        """SIGKILL every node and every tagged process, and reap the agents.
+
+        Frozen nodes need no SIGCONT first: SIGKILL ends stopped processes, they still carry the
+        tag, and ``wait`` then reaps them.
+        """
         for node in self.nodes:
             if node.running():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
