@@ -42,11 +42,13 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import (  # the exit barrier's key (wire format)
@@ -78,7 +80,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from ddpjob_worker import liveness, signals, warm
 from ddpjob_worker.endpoint import wait_for_endpoint
-from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
+from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError, WorkersStuckError
 from ddpjob_worker.exits import ExitClock
 from ddpjob_worker.policy import (
     BROKEN_STOP_SECONDS,
@@ -105,6 +107,16 @@ from ddpjob_worker.rendezvous import END_FAILURE, END_JOIN, FastRendezvous
 from ddpjob_worker.state import Failure, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.agent")
+_T = TypeVar("_T")
+
+WATCH_ALL_UP_TO = 16
+"""Rounds of up to this many other members: every agent asks every other one. In larger rounds
+each asks its next :data:`WATCH_NEIGHBOURS` in node order (a ring, so every member is asked by
+that many peers) and the store's host, which keeps the questions per agent constant."""
+WATCH_NEIGHBOURS = 8
+LEAVE_BOUND_SECONDS = 1.5
+"""How long leaving the rendezvous may hold up a SIGTERM on its way to the workers (a store
+host that does not answer would otherwise hold it up forever)."""
 
 _STATUS = {
     WorkerState.HEALTHY: WorkerStatus.HEALTHY,
@@ -160,6 +172,10 @@ class DdpjobAgent(LocalElasticAgent):
         self._round_over: frozenset[str] = frozenset()  # why peers said our round is over
         self._stop_seconds: float = RESTART_STOP_SECONDS
         self._liveness: liveness.Listener | None = None
+        self._watch: liveness.PeerWatch | None = None
+        self._host_node: str | None = None  # the store host's node (repr), as it published
+        self._host_address: str | None = None  # its liveness address
+        self._dropped: frozenset[str] = frozenset()  # silent peers dropped at this tick
         self._fast = self._attach(spec.rdzv_handler)
         self._warm: warm.WarmPool | None = None
         if settings.warm_workers and isinstance(spec.entrypoint, str):
@@ -181,7 +197,7 @@ class DdpjobAgent(LocalElasticAgent):
             self._liveness = liveness.listen(fast.node.addr)
         if self._liveness is not None:
             try:
-                fast.publish(self._liveness.address)
+                fast.publish(self._liveness.address, host=bool(self._settings.is_host))
             except (RuntimeError, OSError) as exc:  # store trouble: peers use heartbeats
                 logger.warning("could not publish our liveness address: %s", exc)
         return fast
@@ -270,7 +286,10 @@ class DdpjobAgent(LocalElasticAgent):
         if status is not WorkerStatus.SUCCEEDED:
             nodes_waiting, store_lost = self._poll_rendezvous()
         collateral: bool | None = False
-        if status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
+        if status is WorkerStatus.FAILED and self._dropped:
+            # A member went silent: whatever our workers did, the group lost a member.
+            collateral = True
+        elif status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
             collateral, store_lost = self._report_failure(group, failed_at)
         for _ in range(2):
             action = decide(
@@ -486,16 +505,38 @@ class DdpjobAgent(LocalElasticAgent):
             self._warm.close()
 
     def _poll_rendezvous(self) -> tuple[int, bool]:
-        """``(nodes waiting to join, store lost)``, from one look at the rendezvous store."""
+        """``(nodes waiting to join, store lost)``, from one look at the rendezvous store and
+        at the peers' answers (:class:`ddpjob_worker.liveness.PeerWatch`)."""
+        self._dropped = frozenset()
+        silent = self._watch.silent() if self._watch is not None else set()
+        if self._host_node in silent and not self._settings.is_host:
+            logger.warning(
+                "the rendezvous store's host (%s) has not answered for %gs: taking it as lost",
+                self._host_node,
+                liveness.SILENT_AFTER_SECONDS,
+            )
+            return 0, True
+        handler = self._worker_group.spec.rdzv_handler
+        fast = self._fast
+
+        def look() -> tuple[int, frozenset[str]]:
+            return handler.num_nodes_waiting(), frozenset() if fast is None else fast.round_over()
+
         try:
-            waiting = self._worker_group.spec.rdzv_handler.num_nodes_waiting()
-            # torch wraps store errors in RendezvousConnectionError; our own look does not
-            self._round_over = frozenset() if self._fast is None else self._fast.round_over()
+            waiting, self._round_over = self._bounded(look, "look at the rendezvous store")
         except (RendezvousConnectionError, DistNetworkError, DistStoreError) as exc:
+            # torch wraps store errors in RendezvousConnectionError; our own look does not
             if self._settings.is_host:
                 raise  # we host the store; if it fails, nothing to wait for
             logger.warning("lost the rendezvous store: %s", exc)
             return 0, True
+        except StoreSilentError as exc:
+            if self._settings.is_host:
+                raise
+            logger.warning("lost the rendezvous store: %s", exc)
+            return 0, True
+        if silent:
+            self._drop_silent(silent)
         if self._round_over:
             # A peer restarts or leaves: re-form now, not when our collective breaks.
             logger.info(
@@ -504,6 +545,80 @@ class DdpjobAgent(LocalElasticAgent):
             )
             waiting = max(waiting, 1)
         return waiting, False
+
+    def _bounded(self, call: Callable[[], _T], what: str) -> _T:
+        """``call()`` (store requests), given up once the store's host has been silent for
+        the silence window, or after the store's read timeout.
+
+        torch's TCPStore client waits for a reply forever when its server stops answering
+        without closing the connection (a frozen or partitioned host: no reset ever comes),
+        whatever its timeout says, and so would the monitor loop, SIGTERM included. The call
+        runs on a daemon thread; one that never returns is abandoned with its client.
+        """
+        limit = self._settings.store_read_timeout or 10.0
+        return _call_bounded(
+            call,
+            what,
+            limit=limit,
+            give_up=lambda: (
+                self._watch is not None
+                and not self._settings.is_host
+                and self._host_node in self._watch.silent()
+            ),
+        )
+
+    def _drop_silent(self, silent: set[str]) -> None:
+        """Re-form the round without members that stopped answering: name them in the round
+        (the others read it when they rejoin), end the round, and expire their heartbeats."""
+        fast = self._fast
+        if fast is None:
+            return
+        self._dropped = frozenset(silent)
+        logger.warning(
+            "no answer from %s for %gs (a machine lost silently, a partition or a frozen pod): "
+            "re-forming without %s",
+            ", ".join(sorted(silent)),
+            liveness.SILENT_AFTER_SECONDS,
+            "it" if len(silent) == 1 else "them",
+        )
+        nodes = [node for node in fast.members if repr(node) in silent]
+
+        def drop() -> None:
+            fast.announce_silent(sorted(silent))
+            fast.announce_end(END_FAILURE)
+            fast.mark_dead(nodes)
+
+        try:
+            self._bounded(drop, "drop silent members")
+        except (RuntimeError, OSError) as exc:  # DistError and StoreSilentError too
+            logger.warning("could not name the silent members in the store: %s", exc)
+        self._round_over = self._round_over | {END_FAILURE}
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def _watch_round(self) -> None:
+        """Start asking the members of the round just joined whether they still answer."""
+        self._close_watch()
+        fast = self._fast
+        if fast is None:
+            return
+        others = [node for node in fast.members if node != fast.node]
+        try:
+            addresses = fast.addresses(others)
+            self._host_node = fast.host()
+        except (RuntimeError, OSError) as exc:  # store trouble: the poll finds out
+            logger.warning("could not read the members' liveness addresses: %s", exc)
+            return
+        self._host_address = addresses.get(self._host_node or "")
+        self._watch = liveness.PeerWatch(
+            _watched(addresses, me=repr(fast.node), host=self._host_node)
+        )
+
+    def _close_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         """Stop workers for a restart: SIGTERM, then SIGKILL after a short wait.
@@ -523,10 +638,12 @@ class DdpjobAgent(LocalElasticAgent):
         super()._shutdown(death_sig, timeout)
 
     def _leave(self) -> None:
-        if self._fast is None or self._settings.is_host:
+        fast = self._fast
+        if fast is None or self._settings.is_host:
             return
+        self._close_watch()
         try:
-            self._fast.leave()
+            _call_bounded(fast.leave, "leave the rendezvous", limit=LEAVE_BOUND_SECONDS)
         except Exception as exc:  # best effort: peers fall back on our heartbeats lapsing
             logger.warning("could not leave the rendezvous: %s", exc)
 
@@ -537,6 +654,7 @@ class DdpjobAgent(LocalElasticAgent):
         recovered = False
         deadline: float | None = None
         left = (self._store, worker_group.group_world_size)  # the round we are leaving, if any
+        self._close_watch()
         self._expect_survivors()
         while True:
             if self._store_lost:
@@ -550,6 +668,7 @@ class DdpjobAgent(LocalElasticAgent):
                 super()._rendezvous(worker_group)
                 if self._fast is not None:
                     self._fast.joined()
+                    self._watch_round()
                 if recovered:
                     # The old rounds' barriers died with the old store (and whoever waited in
                     # them with its host); their store clients could only hang or fail.
@@ -637,6 +756,7 @@ class DdpjobAgent(LocalElasticAgent):
         """Wait for the store host to come back, then replace the dead rendezvous handler."""
         self._state.update(phase=Phase.RECOVERING)
         spec = self._worker_group.spec
+        self._close_watch()
         _stop_heartbeats(spec.rdzv_handler)
         host, port = split_endpoint(self._params.endpoint)
         logger.warning("waiting for the rendezvous store at %s:%d to come back", host, port)
@@ -654,10 +774,20 @@ class DdpjobAgent(LocalElasticAgent):
                 join_timeout=self._settings.join_timeout,
                 cap=RECOVERY_PROBE_CAP_SECONDS,
             )
+            if self._old_host_silent(host, port):
+                # Its kernel still accepts (frozen, or its machine half alive) but nobody
+                # answers: a client would wait on it forever. Wait for it to answer, or for
+                # the endpoint to name another host (its replacement).
+                time.sleep(min(RECOVERY_PROBE_CAP_SECONDS, max(0.0, remaining)))
+                continue
             try:
-                handler = rdzv_registry.get_rendezvous_handler(self._params)
+                handler = _call_bounded(
+                    lambda: rdzv_registry.get_rendezvous_handler(self._params),
+                    "connect to the rendezvous store",
+                    limit=self._settings.store_read_timeout or 10.0,
+                )
                 break
-            except RendezvousConnectionError as exc:
+            except (RendezvousConnectionError, StoreSilentError) as exc:
                 logger.warning("store at %s:%d not ready yet: %s", host, port, exc)
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         spec.rdzv_handler = handler
@@ -670,6 +800,26 @@ class DdpjobAgent(LocalElasticAgent):
         logger.info(
             "rejoining with a fresh rendezvous handler (recovery %d)", self._store_recoveries
         )
+
+    def _old_host_silent(self, host: str, port: int) -> bool:
+        """Whether the endpoint still leads to the store host we lost and that host is silent
+        (accepts, never answers). A replacement at another address, a host that answers, or
+        one whose address refuses (its agent is gone) is not."""
+        address = self._host_address
+        if address is None:
+            return False
+        old_ip = address.rpartition(":")[0].strip("[]")
+        try:
+            now = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        except OSError:
+            return False
+        if old_ip not in now:
+            return False
+        answer = liveness.ask(address)
+        if answer.liveness is liveness.Liveness.UNKNOWN:
+            logger.info("the store's old host at %s is still silent", address)
+            return True
+        return False
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -746,13 +896,64 @@ def _round_members(handler: RendezvousHandler) -> frozenset[str] | None:
 
 
 def _stop_heartbeats(handler: RendezvousHandler) -> None:
-    """Stop a dead handler's keep-alive thread (torch has no public API for it)."""
+    """Stop a dead handler's keep-alive thread (torch has no public API for it), without
+    waiting: torch joins that thread, which may be blocked for good on a store that stopped
+    answering."""
     stop: Callable[[], None] | None = getattr(handler, "_stop_heartbeats", None)
-    if stop is not None:
+    if stop is None:
+        return
+
+    def run() -> None:
         try:
             stop()
         except Exception:  # best effort on a handler we are discarding
             logger.debug("could not stop the old handler's heartbeats", exc_info=True)
+
+    threading.Thread(target=run, name="ddpjob-stop-heartbeats", daemon=True).start()
+
+
+def _call_bounded(
+    call: Callable[[], _T],
+    what: str,
+    *,
+    limit: float,
+    give_up: Callable[[], bool] = lambda: False,
+) -> _T:
+    """``call()`` on a daemon thread, waited for at most ``limit`` seconds, or until
+    ``give_up()`` says so (asked every 0.05 s). Raises :class:`StoreSilentError` then; the
+    call's own exception otherwise. A call that never returns stays blocked on its thread."""
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"ddpjob-{what.replace(' ', '-')}", daemon=True).start()
+    deadline = time.monotonic() + limit
+    while not done.wait(0.05):
+        if time.monotonic() >= deadline or give_up():
+            raise StoreSilentError(f"could not {what}: the store did not answer")
+    if "error" in box:
+        raise box["error"]
+    value: _T = box["value"]
+    return value
+
+
+def _watched(addresses: dict[str, str], *, me: str, host: str | None) -> dict[str, str]:
+    """Which peers one agent asks (see :data:`WATCH_ALL_UP_TO`)."""
+    if len(addresses) <= WATCH_ALL_UP_TO:
+        return dict(addresses)
+    ring = sorted([*addresses, me])
+    at = ring.index(me)
+    chosen = {ring[(at + step) % len(ring)] for step in range(1, WATCH_NEIGHBOURS + 1)}
+    if host in addresses:
+        chosen.add(host)
+    return {node: addresses[node] for node in sorted(chosen)}
 
 
 def _describe_failure(result: RunResult) -> Failure:

@@ -24,6 +24,7 @@ __all__ = [
     "AgentError",
     "ConfigError",
     "EndpointUnreachableError",
+    "StoreSilentError",
 ]
 
 EXIT_ENDPOINT_UNREACHABLE = EXIT_INFRA
@@ -54,3 +55,8 @@ class ConfigError(AgentError):
 
 class WorkersStuckError(AgentError):
     """torch's watchdog found a worker stuck in the kernel and disabled restarts."""
+
+
+class StoreSilentError(AgentError, RuntimeError):
+    """A store request got no reply in time: its host is silent (frozen, partitioned, or its
+    machine lost without a reset), or slower than the store's read timeout."""

@@ -16,6 +16,15 @@ to every other member of the round it leaves:
   down, or a firewall may drop the packets while the peer is fine; only the heartbeats can
   tell, so nothing is decided on it.
 
+A connect alone cannot tell a *silent* peer: a frozen process (SIGSTOP, a hung driver, a machine
+whose kernel still answers while its agent does not run) is accepted from the backlog by its
+kernel. So the listener also *answers*: it writes one JSON line (:attr:`Listener.info`, what the
+agent says of itself) on every connection it accepts. :func:`ask` reads that line: no line in
+time means nobody runs there (silent) even though the handshake completed. :class:`PeerWatch`
+asks the members of the running round a few times a second and names those that have been
+silent for :data:`SILENT_AFTER_SECONDS`: a silent machine loss, a partition or a frozen pod,
+which no reset ever reports.
+
 Stdlib only.
 """
 
@@ -23,18 +32,35 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import enum
 import errno
+import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 logger = logging.getLogger("ddpjob_worker.liveness")
 
 PROBE_TIMEOUT_SECONDS = 1.0
 """How long a probe waits for the handshake before it gives up (the answer is then unknown)."""
 _GONE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
+ASK_INTERVAL_SECONDS = 0.25
+"""How often :class:`PeerWatch` asks each watched peer."""
+ASK_TIMEOUT_SECONDS = 0.5
+"""How long one question waits for the answer line (a live agent answers in well under 10 ms)."""
+SILENT_AFTER_SECONDS = 2.0
+"""A peer that has not answered for this long is silent: gone as far as the round is concerned.
+
+Longer than a pause that must not restart anyone (a 1 s stall of a whole pod, a GC pause, a
+loaded machine: a stalled agent answers the questions queued in its backlog the moment it runs
+again, so its silence is the stall plus at most one interval); short enough that a job whose
+peer died silently trains again within about 3 s instead of waiting for its collective timeout
+(30 min for a default gloo ``init_process_group``)."""
+_MAX_ANSWER = 4096
 
 
 class Liveness(enum.Enum):
@@ -44,7 +70,8 @@ class Liveness(enum.Enum):
 
 
 class Listener:
-    """A listening socket that accepts and closes every connection, on a daemon thread."""
+    """A listening socket that answers every connection with one JSON line (:attr:`info`) and
+    closes it, on a daemon thread."""
 
     def __init__(self, host: str) -> None:
         """Listen on every address of this machine (a pod has its own), on a free port; peers
@@ -55,6 +82,8 @@ class Listener:
         self._socket.listen(128)
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         self.address = f"{shown}:{self._socket.getsockname()[1]}"
+        self.info: dict[str, Any] = {"v": 1}
+        """What the agent says of itself; replaced whole (never mutated) by the agent."""
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ddpjob-liveness", daemon=True)
         self._thread.start()
@@ -64,8 +93,17 @@ class Listener:
             try:
                 conn, _ = self._socket.accept()
             except OSError:  # closed under us
-                return
-            conn.close()
+                if self._closed.is_set():
+                    return
+                time.sleep(0.01)  # EMFILE and the like: never let the thread die
+                continue
+            try:
+                conn.settimeout(0.2)
+                conn.sendall(json.dumps(self.info, separators=(",", ":")).encode() + b"\n")
+            except OSError:
+                pass
+            finally:
+                conn.close()
 
     def close(self) -> None:
         self._closed.set()
@@ -94,6 +132,144 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> Liveness:
         return Liveness.UNKNOWN
     except OSError as exc:
         return Liveness.DEAD if exc.errno in _GONE_ERRNOS else Liveness.UNKNOWN
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What :func:`ask` learned: the verdict, and the peer's own words when it answered."""
+
+    liveness: Liveness
+    info: Mapping[str, Any] | None = None
+
+
+def ask(address: str, timeout: float = ASK_TIMEOUT_SECONDS) -> Answer:
+    """Connect to a peer's listener and read its answer line, all within ``timeout``.
+
+    An answer (or a close without one, from a listener that does not answer) is
+    :attr:`Liveness.ALIVE`; refused or no route is :attr:`Liveness.DEAD`; a handshake that
+    completes with no answer in time (a frozen process, its kernel still accepting) or no
+    handshake at all is :attr:`Liveness.UNKNOWN`: silent.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    except ValueError:
+        return Answer(Liveness.UNKNOWN)
+    except OSError as exc:
+        return Answer(Liveness.DEAD if exc.errno in _GONE_ERRNOS else Liveness.UNKNOWN)
+    data = b""
+    with sock:
+        try:
+            while b"\n" not in data and len(data) < _MAX_ANSWER:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return Answer(Liveness.UNKNOWN)
+                sock.settimeout(left)
+                chunk = sock.recv(_MAX_ANSWER)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError as exc:
+            if exc.errno == errno.ECONNRESET and not data:
+                return Answer(Liveness.ALIVE)  # accepted and closed: an agent that answers not
+            return Answer(Liveness.UNKNOWN)
+    if not data:
+        return Answer(Liveness.ALIVE)
+    try:
+        info = json.loads(data.partition(b"\n")[0])
+    except ValueError:
+        return Answer(Liveness.ALIVE)
+    return Answer(Liveness.ALIVE, info if isinstance(info, dict) else None)
+
+
+class PeerWatch:
+    """Ask a fixed set of peers (node -> listener address) every :data:`ASK_INTERVAL_SECONDS`,
+    on a daemon thread, and tell which have been silent or dead for a while.
+
+    A watch that did not run itself (this process was frozen or starved, so it could not ask)
+    judges nobody for that time: after a gap in its own asking, every peer counts as just heard
+    from. So a pod that wakes up from a long stall never takes its live peers for dead.
+    """
+
+    def __init__(
+        self,
+        peers: Mapping[str, str],
+        *,
+        interval: float = ASK_INTERVAL_SECONDS,
+        timeout: float = ASK_TIMEOUT_SECONDS,
+    ) -> None:
+        self._peers = dict(peers)
+        self._interval = interval
+        self._timeout = timeout
+        now = time.monotonic()
+        self._heard = dict.fromkeys(self._peers, now)
+        self._dead: set[str] = set()
+        self._answers: dict[str, Mapping[str, Any]] = {}
+        self._ticked = now
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self._peers:
+            self._thread = threading.Thread(target=self._run, name="ddpjob-watch", daemon=True)
+            self._thread.start()
+
+    @property
+    def peers(self) -> Mapping[str, str]:
+        return self._peers
+
+    def _run(self) -> None:
+        workers = min(32, len(self._peers))
+        with concurrent.futures.ThreadPoolExecutor(workers, "ddpjob-ask") as pool:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                answers = dict(
+                    zip(
+                        self._peers,
+                        pool.map(lambda address: ask(address, self._timeout), self._peers.values()),
+                        strict=True,
+                    )
+                )
+                now = time.monotonic()
+                with self._lock:
+                    gap = self._interval + self._timeout + 0.5
+                    if started - self._ticked > gap or now - started > gap:
+                        # We did not run for a while (frozen, starved): we heard nothing because
+                        # we asked nothing. Judge from now on.
+                        self._heard = dict.fromkeys(self._peers, now)
+                    for node, answer in answers.items():
+                        if answer.liveness is Liveness.ALIVE:
+                            self._heard[node] = now
+                            self._dead.discard(node)
+                            if answer.info is not None:
+                                self._answers[node] = answer.info
+                        elif answer.liveness is Liveness.DEAD:
+                            self._dead.add(node)
+                    self._ticked = now
+                self._stop.wait(max(0.0, self._interval - (now - started)))
+
+    def silent(self, window: float = SILENT_AFTER_SECONDS) -> set[str]:
+        """Peers not heard from for ``window`` seconds, or refused (dead), as of now; nobody
+        while this watch itself has not been asking (see the class doc)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._ticked > self._interval + self._timeout + 0.5:
+                return set()
+            quiet = {node for node, heard in self._heard.items() if now - heard >= window}
+            return quiet | self._dead
+
+    def dead(self) -> set[str]:
+        """Peers whose address refused or has no route at the last question."""
+        with self._lock:
+            return set(self._dead)
+
+    def answer(self, node: str) -> Mapping[str, Any] | None:
+        """The last answer line ``node`` gave, if any."""
+        with self._lock:
+            return self._answers.get(node)
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def probe_all(

@@ -152,10 +152,44 @@ class FastRendezvous:
 
     # -- the run's own keys -----------------------------------------------------------------
 
-    def publish(self, address: str) -> None:
+    def publish(self, address: str, *, host: bool = False) -> None:
         """Publish where our liveness socket listens (again on every store: a recovered store
-        starts empty)."""
+        starts empty), and, from the store's host, which node it is."""
         self._store.set(_key(self._settings.run_id, f"alive.{self._node!r}"), address)
+        if host:
+            self._store.set(_key(self._settings.run_id, "host"), repr(self._node))
+
+    def host(self) -> str | None:
+        """The node (``repr``) of the agent that hosts this store, if it said so."""
+        key = _key(self._settings.run_id, "host")
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key)).decode(errors="replace")
+
+    def addresses(self, nodes: Iterable[_NodeDesc]) -> dict[str, str]:
+        """The liveness addresses (node ``repr`` -> ``host:port``) that ``nodes`` published;
+        those that published none are left out."""
+        keys = {repr(node): _key(self._settings.run_id, f"alive.{node!r}") for node in nodes}
+        present = {node: key for node, key in keys.items() if self._store.check([key])}
+        if not present:
+            return {}
+        values = self._store.multi_get(list(present.values()))
+        return liveness.parse_addresses(zip(present, map(bytes, values), strict=True))
+
+    def announce_silent(self, nodes: Iterable[str]) -> None:
+        """Name the members of our round that stopped answering (read by :meth:`silent`)."""
+        if self._round is not None:
+            self._store.append(self._silent_key(), "".join(f"{node};" for node in nodes))
+
+    def silent(self) -> set[str]:
+        """The members (``repr``) that a peer found silent in the round we joined last."""
+        if self._round is None or not self._store.check([self._silent_key()]):
+            return set()
+        raw = bytes(self._store.get(self._silent_key())).decode(errors="replace")
+        return {item for item in raw.split(";") if item}
+
+    def _silent_key(self) -> str:
+        return _key(self._settings.run_id, f"round.{self._round}.silent")
 
     def left(self) -> set[str]:
         """The nodes (``repr``) that left the run on SIGTERM."""
@@ -168,11 +202,11 @@ class FastRendezvous:
     def gone(
         self, nodes: Iterable[_NodeDesc], timeout: float = liveness.PROBE_TIMEOUT_SECONDS
     ) -> tuple[set[_NodeDesc], set[_NodeDesc]]:
-        """``(gone, unsure)`` among ``nodes``: gone ones left, or nobody listens at their
-        liveness address any more; unsure ones never published one, or did not answer in time
-        (only torch's heartbeats can tell)."""
+        """``(gone, unsure)`` among ``nodes``: gone ones left, were found silent in our round,
+        or nobody listens at their liveness address any more; unsure ones never published
+        one, or did not answer in time (only torch's heartbeats can tell)."""
         others = {node for node in nodes if node != self._node}
-        left = self.left()
+        left = self.left() | self.silent()
         gone = {node for node in others if repr(node) in left}
         addresses, unsure = {}, set()
         for node in others - gone:
