@@ -42,6 +42,27 @@ def free_port() -> int:
         return port
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free on 127.0.0.1 now."""
+    for _ in range(100):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
 def wait_until(
     what: str, predicate: Callable[[], bool], timeout: float, interval: float = 0.1
 ) -> None:
@@ -222,6 +243,10 @@ class Node:
 class Cluster:
     """Starts nodes for one test and cleans up everything they started."""
 
+    failover = True
+    """Give nodes directory ports and peers, as the operator and the local runner do (store
+    failover on); set False before starting nodes to run without."""
+
     def __init__(self, tmp: Path, *, min_nodes: int, max_nodes: int, **timing: int) -> None:
         self.tmp = tmp
         self.tag = uuid.uuid4().hex
@@ -230,6 +255,9 @@ class Cluster:
         self.ckpt_dir = tmp / "ckpt"
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
+        # Each node's directory (liveness) port, as the local runner gives its pods: newcomers
+        # ask them for the current store, which makes store failover possible.
+        self.directory_base = free_port_run(max_nodes + 2)
         self.timing = {
             "join_timeout": 60,
             "last_call_timeout": 1,
@@ -261,6 +289,10 @@ class Cluster:
             keep_alive_max_attempt=self.timing["keep_alive_max_attempt"],
             grace_seconds=self.timing["grace_seconds"],
             state_file=str(self.tmp / f"state-{index}-{self._launches}.json"),
+            directory_port=self.directory_base + index if self.failover else 0,
+            peers=tuple(f"127.0.0.1:{self.directory_base + i}" for i in range(self.max_nodes + 2))
+            if self.failover
+            else (),
         )
 
     def start(

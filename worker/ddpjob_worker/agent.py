@@ -39,6 +39,7 @@ torch's own code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -93,7 +94,9 @@ from ddpjob_worker.policy import (
     Budget,
     FailureReport,
     Settings,
+    StoreAnswer,
     WorkerStatus,
+    best_store,
     decide,
     format_report,
     is_membership_change,
@@ -102,8 +105,9 @@ from ddpjob_worker.policy import (
     settled,
     split_endpoint,
     static_master,
+    successor,
 )
-from ddpjob_worker.rendezvous import END_FAILURE, END_JOIN, FastRendezvous
+from ddpjob_worker.rendezvous import END_FAILURE, END_JOIN, END_LEAVE, FastRendezvous, ident
 from ddpjob_worker.state import Failure, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.agent")
@@ -114,6 +118,8 @@ WATCH_ALL_UP_TO = 16
 each asks its next :data:`WATCH_NEIGHBOURS` in node order (a ring, so every member is asked by
 that many peers) and the store's host, which keeps the questions per agent constant."""
 WATCH_NEIGHBOURS = 8
+END_HANDOVER = "handover"
+"""The store's host leaves on SIGTERM: the others carry on around a new host at once."""
 LEAVE_BOUND_SECONDS = 1.5
 """How long leaving the rendezvous may hold up a SIGTERM on its way to the workers (a store
 host that does not answer would otherwise hold it up forever)."""
@@ -139,6 +145,8 @@ class DdpjobAgent(LocalElasticAgent):
         state: StateWriter,
         heartbeat_seconds: float,
         early_spares: Sequence[warm.Spare] = (),
+        gen: int = 1,
+        hosting: bool | None = None,
     ) -> None:
         if config.logs_specs is None:
             raise ValueError("LaunchConfig.logs_specs must be set (LaunchConfig sets a default)")
@@ -172,6 +180,17 @@ class DdpjobAgent(LocalElasticAgent):
         self._round_over: frozenset[str] = frozenset()  # why peers said our round is over
         self._stop_seconds: float = RESTART_STOP_SECONDS
         self._liveness: liveness.Listener | None = None
+        # we host the store we use now
+        self._hosting = bool(settings.is_host) if hosting is None else hosting
+        self._gen = gen  # that store's generation
+        self._store_address: str | None = params.endpoint or None
+        self._store_rounds = 0  # rounds completed on it
+        self._host_gone = False  # the lost host is known gone (it handed over)
+        self._host_silent = False  # the lost host stopped answering
+        self._addresses: dict[str, str] = {}  # the last round's liveness addresses (ident)
+        self._base: dict[str, int | None] = {}  # its members' pod indexes (ident)
+        self._base_id: str | None = None
+        self._silent_seen: set[str] = set()  # members found silent (ident) since it formed
         self._watch: liveness.PeerWatch | None = None
         self._host_node: str | None = None  # the store host's node (repr), as it published
         self._host_address: str | None = None  # its liveness address
@@ -193,14 +212,36 @@ class DdpjobAgent(LocalElasticAgent):
         fast = FastRendezvous.attach(handler)
         if fast is None:
             return None
+        fast.fenced = self._settings.failover
+        fast.while_waiting = self._check_superseded
         if self._liveness is None:
-            self._liveness = liveness.listen(fast.node.addr)
-        if self._liveness is not None:
-            try:
-                fast.publish(self._liveness.address, host=bool(self._settings.is_host))
-            except (RuntimeError, OSError) as exc:  # store trouble: peers use heartbeats
-                logger.warning("could not publish our liveness address: %s", exc)
+            self._liveness = liveness.listen(fast.node.addr, self._settings.directory_port)
+        try:
+            if self._hosting:
+                fast.set_gen(self._gen)
+            if self._liveness is not None:
+                fast.publish(
+                    self._liveness.address, host=self._hosting, index=self._settings.pod_index
+                )
+        except (RuntimeError, OSError) as exc:  # store trouble: peers use heartbeats
+            logger.warning("could not publish our liveness address: %s", exc)
+        self._say()
         return fast
+
+    def _say(self, *, orphan: bool = False) -> None:
+        """What our liveness socket answers: which store we use (none while we look for
+        one), its generation, and whether a round completed on it."""
+        if self._liveness is None:
+            return
+        self._liveness.info = {
+            "v": 1,
+            "run": self._params.run_id,
+            "index": self._settings.pod_index,
+            "gen": self._gen,
+            "store": None if orphan else self._store_address,
+            "established": self._store_rounds > 0 and not orphan,
+            "host": self._hosting and not orphan,
+        }
 
     # -- the monitor loop -------------------------------------------------------------------
 
@@ -405,7 +446,7 @@ class DdpjobAgent(LocalElasticAgent):
     def _store_trouble(self, exc: Exception) -> tuple[bool, bool]:
         """``(collateral, store_lost)`` when the store fails us while we compare reports (never
         a SignalException: a SIGTERM then must stop the agent)."""
-        if self._settings.in_ddpjob_pod and not self._settings.is_host:
+        if self._settings.in_ddpjob_pod and not self._hosting:
             # The store's host is gone (it may be the root cause itself, giving up). If the
             # store was only slow, the recovery finds it up at once and rejoins: harmless.
             logger.warning(
@@ -509,12 +550,14 @@ class DdpjobAgent(LocalElasticAgent):
         at the peers' answers (:class:`ddpjob_worker.liveness.PeerWatch`)."""
         self._dropped = frozenset()
         silent = self._watch.silent() if self._watch is not None else set()
-        if self._host_node in silent and not self._settings.is_host:
+        self._silent_seen |= {ident(node) for node in silent}
+        if self._host_node in silent and not self._hosting:
             logger.warning(
                 "the rendezvous store's host (%s) has not answered for %gs: taking it as lost",
                 self._host_node,
                 liveness.SILENT_AFTER_SECONDS,
             )
+            self._host_silent = True
             return 0, True
         handler = self._worker_group.spec.rdzv_handler
         fast = self._fast
@@ -526,14 +569,19 @@ class DdpjobAgent(LocalElasticAgent):
             waiting, self._round_over = self._bounded(look, "look at the rendezvous store")
         except (RendezvousConnectionError, DistNetworkError, DistStoreError) as exc:
             # torch wraps store errors in RendezvousConnectionError; our own look does not
-            if self._settings.is_host:
+            if self._hosting:
                 raise  # we host the store; if it fails, nothing to wait for
             logger.warning("lost the rendezvous store: %s", exc)
             return 0, True
         except StoreSilentError as exc:
-            if self._settings.is_host:
+            if self._hosting:
                 raise
             logger.warning("lost the rendezvous store: %s", exc)
+            self._host_silent = self._watch is not None and self._host_node in self._watch.silent()
+            return 0, True
+        if END_HANDOVER in self._round_over and not self._hosting:
+            logger.info("the store's host hands over (it stops): carrying on around a new host")
+            self._host_gone = True
             return 0, True
         if silent:
             self._drop_silent(silent)
@@ -562,7 +610,7 @@ class DdpjobAgent(LocalElasticAgent):
             limit=limit,
             give_up=lambda: (
                 self._watch is not None
-                and not self._settings.is_host
+                and not self._hosting
                 and self._host_node in self._watch.silent()
             ),
         )
@@ -607,9 +655,16 @@ class DdpjobAgent(LocalElasticAgent):
         try:
             addresses = fast.addresses(others)
             self._host_node = fast.host()
+            if self._settings.failover:
+                self._base = fast.indexes(ident(node) for node in fast.members)
         except (RuntimeError, OSError) as exc:  # store trouble: the poll finds out
             logger.warning("could not read the members' liveness addresses: %s", exc)
             return
+        self._base_id = f"{self._gen}.{fast.round}"
+        self._silent_seen = set()
+        self._addresses = {ident(node): address for node, address in addresses.items()}
+        if self._liveness is not None:
+            self._addresses[ident(fast.node)] = self._liveness.address
         self._host_address = addresses.get(self._host_node or "")
         self._watch = liveness.PeerWatch(
             _watched(addresses, me=repr(fast.node), host=self._host_node)
@@ -639,13 +694,32 @@ class DdpjobAgent(LocalElasticAgent):
 
     def _leave(self) -> None:
         fast = self._fast
-        if fast is None or self._settings.is_host:
+        if fast is None:
+            return
+        if self._hosting:
+            if self._settings.failover:
+                self._hand_over(fast)
             return
         self._close_watch()
         try:
             _call_bounded(fast.leave, "leave the rendezvous", limit=LEAVE_BOUND_SECONDS)
         except Exception as exc:  # best effort: peers fall back on our heartbeats lapsing
             logger.warning("could not leave the rendezvous: %s", exc)
+
+    def _hand_over(self, fast: FastRendezvous) -> None:
+        """As the store's host, leave: the others carry on around a new host at once (the
+        store stays up until we exit, but nobody waits for it)."""
+        self._close_watch()
+
+        def hand_over() -> None:
+            fast.confirm_gone([ident(fast.node)])
+            fast.announce_end(f"{END_LEAVE};{END_HANDOVER}")
+
+        try:
+            _call_bounded(hand_over, "hand the store over", limit=LEAVE_BOUND_SECONDS)
+            logger.info("handed the rendezvous store over: the others carry on without us")
+        except Exception as exc:  # best effort: they find the store gone when we exit
+            logger.warning("could not hand the store over: %s", exc)
 
     # -- rendezvous with store recovery ----------------------------------------------------
 
@@ -666,18 +740,22 @@ class DdpjobAgent(LocalElasticAgent):
                 self._state.update(phase=Phase.RENDEZVOUS)
             try:
                 super()._rendezvous(worker_group)
-                if self._fast is not None:
-                    self._fast.joined()
-                    self._watch_round()
-                if recovered:
-                    # The old rounds' barriers died with the old store (and whoever waited in
-                    # them with its host); their store clients could only hang or fail.
-                    self._left_rounds.clear()
-                elif self._rounds:
-                    self._left_rounds.append(left)
+                self._joined(recovered, left)
                 break
+            except SupersededError as exc:
+                # A newer store has a majority of our last round: ours will never again.
+                logger.warning(
+                    "stepping down: %s; joining generation %d at %s",
+                    exc,
+                    exc.found.gen,
+                    exc.found.store,
+                )
+                if deadline is None:
+                    deadline = time.monotonic() + self._settings.join_timeout
+                self._move_to(exc.found, deadline, expect=None)
+                recovered = True
             except (RendezvousConnectionError, DistNetworkError) as exc:
-                if self._settings.is_host:
+                if self._hosting:
                     raise
                 logger.warning("rendezvous store unreachable while joining: %s", exc)
                 self._store_lost = True
@@ -690,6 +768,23 @@ class DdpjobAgent(LocalElasticAgent):
                 if time.monotonic() > deadline:
                     raise
                 logger.warning("the round broke before it started, rejoining: %s", exc)
+        self._after_round(worker_group, recovered)
+
+    def _joined(self, recovered: bool, left: tuple[Any, int | None]) -> None:
+        if self._fast is not None:
+            self._fast.joined(self._gen)
+            self._store_rounds += 1
+            self._say()
+            self._watch_round()
+        if recovered:
+            # The old rounds' barriers died with the old store (and whoever waited in them
+            # with its host); their store clients could only hang or fail.
+            self._left_rounds.clear()
+        elif self._rounds:
+            self._left_rounds.append(left)
+
+    def _after_round(self, worker_group: WorkerGroup, recovered: bool) -> None:
+        """Settle charges and record the round just formed."""
         new_nodes = worker_group.group_world_size
         if new_nodes is None:
             raise RuntimeError("rendezvous completed without a world size")
@@ -753,11 +848,15 @@ class DdpjobAgent(LocalElasticAgent):
         fast.expect(fast.members - gone)
 
     def _recover_store(self, deadline: float) -> None:
-        """Wait for the store host to come back, then replace the dead rendezvous handler."""
+        """Carry on around a new store host (:meth:`_fail_over`), or wait for the old one to
+        come back, then replace the dead rendezvous handler."""
         self._state.update(phase=Phase.RECOVERING)
         spec = self._worker_group.spec
         self._close_watch()
         _stop_heartbeats(spec.rdzv_handler)
+        self._say(orphan=True)
+        if self._settings.failover and self._fail_over(deadline):
+            return
         host, port = split_endpoint(self._params.endpoint)
         logger.warning("waiting for the rendezvous store at %s:%d to come back", host, port)
         while True:
@@ -790,16 +889,194 @@ class DdpjobAgent(LocalElasticAgent):
             except (RendezvousConnectionError, StoreSilentError) as exc:
                 logger.warning("store at %s:%d not ready yet: %s", host, port, exc)
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        spec.rdzv_handler = handler
-        self._rdzv_handler = handler
-        self._fast = self._attach(handler)
-        if self._fast is not None:
-            self._fast.skip_join_jitter()
+        self._install(handler)
         self._store_recoveries += 1
         self._state.update(store_recoveries=self._store_recoveries)
         logger.info(
             "rejoining with a fresh rendezvous handler (recovery %d)", self._store_recoveries
         )
+
+    def _install(self, handler: RendezvousHandler) -> None:
+        spec = self._worker_group.spec
+        spec.rdzv_handler = handler
+        self._rdzv_handler = handler
+        self._store_rounds = 0
+        self._host_gone = self._host_silent = False
+        self._fast = self._attach(handler)
+        if self._fast is not None:
+            self._fast.skip_join_jitter()
+
+    def _fail_over(self, deadline: float) -> bool:
+        """Carry on around a new store host, if the old one is gone or silent: the
+        lowest-ranked member of the last round that still answers hosts the next generation,
+        the others join it. False: the host answers (a blip), or there is nobody to carry on
+        with; the caller then waits for the host at the endpoint.
+
+        Safety does not rest on who thinks what: a round completes only with a majority of
+        the last round's members (:func:`ddpjob_worker.policy.has_quorum`), so if the old host
+        is alive behind a partition, at most one side trains.
+        """
+        fast = self._fast
+        if fast is None or not fast.ranks or self._host_node is None:
+            return False
+        ranks = {ident(node): rank for node, rank in fast.ranks.items()}
+        me, host = ident(fast.node), ident(self._host_node)
+        if self._host_gone:
+            verdict = "gone"
+        elif self._host_silent:
+            verdict = "silent"
+        else:
+            verdict = self._ask_host()
+        if verdict == "alive":
+            return False
+        logger.warning(
+            "the store's host %s is %s: carrying on around the next host of our last round",
+            host,
+            "gone" if verdict == "gone" else "silent",
+        )
+        excluded = {host} | self._silent_seen
+        confirmed = {host} if verdict == "gone" else set()
+        unknown_since: dict[str, float] = {}
+        started = time.monotonic()
+        while time.monotonic() < deadline:
+            chosen = successor(ranks, excluded=excluded)
+            if chosen is None:
+                logger.warning("nobody of the last round is left to host the store")
+                return False
+            if chosen == me:
+                self._host_next(ranks, confirmed, excluded)
+                return True
+            answer = liveness.ask(self._addresses.get(chosen, ""))
+            if answer.liveness is liveness.Liveness.DEAD:
+                excluded.add(chosen)
+                confirmed.add(chosen)
+                continue
+            if answer.liveness is liveness.Liveness.ALIVE:
+                unknown_since.pop(chosen, None)
+                found = best_store([answer.info or {}], self._params.run_id)
+                if found is not None and found.gen > self._gen:
+                    expect = frozenset(ranks) - excluded - {me}
+                    self._move_to(found, deadline, expect=expect | {me})
+                    return True
+            else:
+                first = unknown_since.setdefault(chosen, time.monotonic())
+                if time.monotonic() - first >= liveness.SILENT_AFTER_SECONDS:
+                    excluded.add(chosen)
+                    continue
+            if verdict == "silent" and time.monotonic() - started > 1.0:
+                started = time.monotonic()
+                if self._ask_host() == "alive":
+                    logger.info("the store's host answers again: rejoining it")
+                    return False
+            time.sleep(0.05)
+        return False
+
+    def _ask_host(self) -> str:
+        """``gone``, ``silent`` or ``alive``: what the lost store host's liveness socket says."""
+        if self._host_address is None:
+            return "silent"
+        answer = liveness.ask(self._host_address)
+        if answer.liveness is liveness.Liveness.DEAD:
+            return "gone"
+        if answer.liveness is liveness.Liveness.UNKNOWN:
+            return "silent"
+        return "alive"
+
+    def _host_next(self, ranks: dict[str, int], confirmed: set[str], excluded: set[str]) -> None:
+        """Host the store's next generation at our own address, carrying the last round's
+        members over as the base of its first round's majority."""
+        fast = self._fast
+        assert fast is not None
+        addr = fast.node.addr
+        _, configured = split_endpoint(self._params.endpoint)
+        handler: RendezvousHandler | None = None
+        for port in dict.fromkeys((configured, 0)):
+            params = _store_params(self._params, f"{addr}:{port}", is_host=True)
+            try:
+                handler = _call_bounded(
+                    functools.partial(rdzv_registry.get_rendezvous_handler, params),
+                    "host the rendezvous store",
+                    limit=10.0,
+                )
+                break
+            except (RendezvousConnectionError, StoreSilentError, ValueError) as exc:
+                logger.info("cannot host the store on port %d: %s", port, exc)
+        if handler is None:
+            raise EndpointUnreachableError("could not host the rendezvous store on any port")
+        port = int(getattr(getattr(handler, "_store", None), "port", 0) or configured)
+        self._params = _store_params(self._params, f"{addr}:{port}", is_host=True)
+        self._hosting = True
+        self._gen += 1
+        self._store_address = f"{addr}:{port}"
+        base_id = self._base_id or f"{self._gen - 1}.0"
+        self._install(handler)
+        new = self._fast
+        if new is not None:
+            new.record_base(base_id, self._base or dict.fromkeys(ranks))
+            new.confirm_gone(confirmed, base_id)
+            new.expect_idents(frozenset(ranks) - excluded)
+        self._say()
+        logger.warning(
+            "hosting the rendezvous store, generation %d, at %s", self._gen, self._store_address
+        )
+
+    def _move_to(self, found: StoreAnswer, deadline: float, expect: frozenset[str] | None) -> None:
+        """Join the store another agent named (its generation is newer than ours)."""
+        params = _store_params(self._params, found.store, is_host=False)
+        host, port = split_endpoint(found.store)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EndpointUnreachableError(
+                    f"the rendezvous store at {found.store} (generation {found.gen}) did not "
+                    f"answer within the join timeout ({self._settings.join_timeout:g}s)"
+                )
+            wait_for_endpoint(
+                host,
+                port,
+                remaining,
+                join_timeout=self._settings.join_timeout,
+                cap=RECOVERY_PROBE_CAP_SECONDS,
+            )
+            try:
+                handler = _call_bounded(
+                    lambda: rdzv_registry.get_rendezvous_handler(params),
+                    "connect to the rendezvous store",
+                    limit=self._settings.store_read_timeout or 10.0,
+                )
+                break
+            except (RendezvousConnectionError, StoreSilentError) as exc:
+                logger.warning("store at %s not ready yet: %s", found.store, exc)
+                time.sleep(0.05)
+        self._params = params
+        self._hosting = False
+        self._gen = found.gen
+        self._store_address = found.store
+        self._install(handler)
+        if self._fast is not None and expect is not None:
+            self._fast.expect_idents(expect)
+        self._store_recoveries += 1
+        self._state.update(store_recoveries=self._store_recoveries)
+        logger.info("joined the rendezvous store, generation %d, at %s", found.gen, found.store)
+
+    def _check_superseded(self) -> None:
+        """While our round waits for a majority: if a member of the last round names a newer
+        store (one that completed a round, or a newer generation), ours is superseded."""
+        if not self._addresses:
+            return
+        me = ident(self._fast.node) if self._fast is not None else ""
+        peers = {node: address for node, address in self._addresses.items() if node != me}
+        answers = [
+            answer.info
+            for answer in map(liveness.ask, peers.values())
+            if answer.info is not None and answer.info.get("store") != self._store_address
+        ]
+        found = best_store(answers, self._params.run_id)
+        if found is None:
+            return
+        mine = (self._gen, self._store_rounds > 0)
+        if (found.gen, found.established) > mine or (found.established and not mine[1]):
+            raise SupersededError(found)
 
     def _old_host_silent(self, host: str, port: int) -> bool:
         """Whether the endpoint still leads to the store host we lost and that host is silent
@@ -893,6 +1170,31 @@ def _round_members(handler: RendezvousHandler) -> frozenset[str] | None:
     if not isinstance(participants, dict):
         return None
     return frozenset(repr(node) for node in participants)
+
+
+class SupersededError(RuntimeError):
+    """Another store (:attr:`found`) carries the job on: ours must step down."""
+
+    def __init__(self, found: StoreAnswer) -> None:
+        super().__init__(f"generation {found.gen} at {found.store} carries the job on")
+        self.found = found
+
+
+def _store_params(
+    params: RendezvousParameters, endpoint: str, *, is_host: bool
+) -> RendezvousParameters:
+    """``params`` for the store at ``endpoint``, hosted by us or not."""
+    config = {key: value for key, value in params.config.items() if key != "is_host"}
+    return RendezvousParameters(
+        backend=params.backend,
+        endpoint=endpoint,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        is_host="true" if is_host else "false",
+        **config,
+    )
 
 
 def _stop_heartbeats(handler: RendezvousHandler) -> None:
@@ -1007,7 +1309,10 @@ def launch(
         **rdzv_configs,
     )
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    handler = _first_handler(params, settings, state)
+    gen, hosting = 1, bool(settings.is_host)
+    if settings.failover and config.rdzv_backend == "c10d" and params.endpoint:
+        params, gen, hosting = _find_store(params, settings)
+    handler = _first_handler(params, settings, state, hosting=hosting)
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
         master_addr, master_port = static_master(config.rdzv_endpoint)
@@ -1036,6 +1341,8 @@ def launch(
         state=state,
         heartbeat_seconds=heartbeat_seconds,
         early_spares=early_spares,
+        gen=gen,
+        hosting=hosting,
     )
     shutdown_rdzv = True
     succeeded = False
@@ -1076,11 +1383,52 @@ def launch(
         _stop_heartbeats(spec.rdzv_handler)
 
 
+def _find_store(
+    params: RendezvousParameters, settings: Settings
+) -> tuple[RendezvousParameters, int, bool]:
+    """Ask the job's agents (``DDPJOB_RDZV_PEERS``) which store carries the job now:
+    ``(params, generation, we host it)``. A replacement pod 0, or a pod added by a scale-up,
+    joins the store the others moved to after losing pod 0; nobody answering (the job's
+    start) leaves the configured endpoint, hosted by pod 0 as generation 1."""
+    answers = _ask_peers(settings.peers)
+    found = best_store(answers, params.run_id)
+    hosting = bool(settings.is_host)
+    if found is None or (hosting and found.store == params.endpoint):
+        gens = [
+            info["gen"]
+            for info in answers
+            if info.get("run") == params.run_id and isinstance(info.get("gen"), int)
+        ]
+        return params, (max(gens) + 1 if gens and hosting else 1), hosting
+    logger.info(
+        "the job's pods name generation %d of its store at %s: joining it", found.gen, found.store
+    )
+    return _store_params(params, found.store, is_host=False), found.gen, False
+
+
+def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
+    """Every answer of the agents at ``peers`` (a name may resolve to many addresses)."""
+    addresses: dict[str, str] = {}
+    for peer in peers:
+        host, port = split_endpoint(peer, default_port=-1)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            logger.info("no address for %s yet: %s", peer, exc)
+            continue
+        for info in infos:
+            ip = str(info[4][0])
+            shown = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            addresses[shown] = shown
+    answers = liveness.ask_all(addresses)
+    return [dict(answer.info) for answer in answers.values() if answer.info is not None]
+
+
 def _first_handler(
-    params: RendezvousParameters, settings: Settings, state: StateWriter
+    params: RendezvousParameters, settings: Settings, state: StateWriter, *, hosting: bool
 ) -> RendezvousHandler:
     """Wait for the endpoint (unless we host it), then create the rendezvous handler."""
-    if params.backend != "c10d" or settings.is_host or not params.endpoint:
+    if params.backend != "c10d" or hosting or not params.endpoint:
         return rdzv_registry.get_rendezvous_handler(params)
     host, port = split_endpoint(params.endpoint)
     if port == 0 or (settings.is_host is None and _matches_machine_hostname(host)):

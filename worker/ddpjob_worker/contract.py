@@ -40,6 +40,14 @@ DDPJOB_GRACE_SECONDS = "DDPJOB_GRACE_SECONDS"
 DDPJOB_WARM_WORKERS = "DDPJOB_WARM_WORKERS"
 """``0`` turns off ddpjob-agent's warm workers (a spare process per local rank with torch
 imported, handed the next restart's worker: :mod:`ddpjob_worker.warm`). On by default."""
+DDPJOB_DIRECTORY_PORT = "DDPJOB_DIRECTORY_PORT"
+"""The port of the agent's liveness socket, which answers who hosts the job's rendezvous store
+now (:mod:`ddpjob_worker.liveness`), bound to the pod's own address. Unset or 0: a free port."""
+DDPJOB_RDZV_PEERS = "DDPJOB_RDZV_PEERS"
+"""Where the job's agents answer (``host:port``, comma-separated; a name may resolve to every
+pod, as a headless Service's does). A starting agent asks them for the current store before it
+uses ``PET_RDZV_ENDPOINT``; with it set, the survivors of a lost store host carry on around a
+new host (store failover, docs/agent.md)."""
 DDPJOB_STORE_READ_TIMEOUT = "DDPJOB_STORE_READ_TIMEOUT"
 """Our short rendezvous-store read timeout (seconds). Only ddpjob-agent applies it (as the c10d
 ``read_timeout``). It is *not* put in ``PET_RDZV_CONF``: torch also uses ``read_timeout`` as the
@@ -118,6 +126,10 @@ class AgentContract:
     grace_seconds: int
     state_file: str = DEFAULT_STATE_FILE
     monitor_interval: float = 0.1
+    directory_port: int = 0
+    """This pod's :data:`DDPJOB_DIRECTORY_PORT` (0: a free one, and no failover)."""
+    peers: tuple[str, ...] = ()
+    """:data:`DDPJOB_RDZV_PEERS`: where the job's agents answer."""
 
     @property
     def is_host(self) -> bool:
@@ -159,7 +171,7 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
 
 def agent_env(contract: AgentContract) -> dict[str, str]:
     """The environment that makes ``ddpjob-agent`` (or plain ``torchrun``) join the job."""
-    return {
+    env = {
         PET_NNODES: f"{contract.min_nodes}:{contract.max_nodes}",
         PET_NPROC_PER_NODE: str(contract.nproc_per_node),
         PET_RDZV_BACKEND: "c10d",
@@ -176,3 +188,8 @@ def agent_env(contract: AgentContract) -> dict[str, str]:
         DDPJOB_STORE_READ_TIMEOUT: str(STORE_READ_TIMEOUT),
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
     }
+    if contract.directory_port:
+        env[DDPJOB_DIRECTORY_PORT] = str(contract.directory_port)
+    if contract.peers:
+        env[DDPJOB_RDZV_PEERS] = ",".join(contract.peers)
+    return env

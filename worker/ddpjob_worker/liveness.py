@@ -73,12 +73,20 @@ class Listener:
     """A listening socket that answers every connection with one JSON line (:attr:`info`) and
     closes it, on a daemon thread."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, port: int = 0) -> None:
         """Listen on every address of this machine (a pod has its own), on a free port; peers
-        reach it at ``host`` (the node's rendezvous address), as they reach its workers."""
+        reach it at ``host`` (the node's rendezvous address), as they reach its workers.
+
+        With a fixed ``port`` (the job's directory port, which newcomers ask) it listens on
+        ``host`` only: pods that share a network namespace (the tests' process kubelets, a
+        ``hostNetwork`` job) each have an address of their own, but not a port space."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
-        self._socket.bind(("", 0))
+        if port:
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._socket.bind((host.strip("[]"), port))
+        else:
+            self._socket.bind(("", 0))
         self._socket.listen(128)
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         self.address = f"{shown}:{self._socket.getsockname()[1]}"
@@ -112,9 +120,20 @@ class Listener:
         self._socket.close()
 
 
-def listen(host: str) -> Listener | None:
+def listen(host: str, port: int = 0) -> Listener | None:
     """A listener reachable at ``host`` (this node's rendezvous address), or None if it cannot
     listen (peers then fall back on torch's heartbeats for this node)."""
+    if port:
+        try:
+            return Listener(host, port)
+        except OSError as exc:
+            logger.warning(
+                "could not listen on %s:%d (%s): on a free port instead; newcomers will not "
+                "find the store through this pod",
+                host,
+                port,
+                exc,
+            )
     try:
         return Listener(host)
     except OSError as exc:
@@ -270,6 +289,17 @@ class PeerWatch:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def ask_all(
+    addresses: Mapping[str, str], timeout: float = ASK_TIMEOUT_SECONDS
+) -> dict[str, Answer]:
+    """:func:`ask` every value of ``addresses`` (name -> ``host:port``) in parallel."""
+    if not addresses:
+        return {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
+        answers = pool.map(lambda address: ask(address, timeout), addresses.values())
+        return dict(zip(addresses, answers, strict=True))
 
 
 def probe_all(

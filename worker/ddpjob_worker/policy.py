@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Collection, Hashable, Iterator, Mapping
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping
 
 from ddpjob_worker import contract
 
@@ -258,6 +258,18 @@ class Settings:
     warm_workers: bool = True
     """Keep a spare process per local rank with torch imported for the next restart
     (``DDPJOB_WARM_WORKERS``, :mod:`ddpjob_worker.warm`)."""
+    pod_index: int | None = None
+    """``DDPJOB_POD_INDEX``: a replacement pod has the index of the pod it replaces."""
+    directory_port: int = 0
+    """``DDPJOB_DIRECTORY_PORT``: where our liveness socket listens (0: a free port)."""
+    peers: tuple[str, ...] = ()
+    """``DDPJOB_RDZV_PEERS``: where the job's agents answer. Set: store failover is on."""
+
+    @property
+    def failover(self) -> bool:
+        """Whether the survivors of a lost store host carry on around a new one: only where a
+        newcomer can find the current store (the peers to ask), in a DDPJob pod."""
+        return bool(self.peers) and self.in_ddpjob_pod
 
 
 def resolve_settings(
@@ -305,7 +317,29 @@ def resolve_settings(
             warm_workers = parse_bool(env[contract.DDPJOB_WARM_WORKERS])
         except ValueError as exc:
             raise ValueError(f"{contract.DDPJOB_WARM_WORKERS}: {exc}") from exc
+    pod_index: int | None = None
+    if env.get(contract.DDPJOB_POD_INDEX, "").strip():
+        try:
+            pod_index = int(env[contract.DDPJOB_POD_INDEX])
+        except ValueError as exc:
+            raise ValueError(
+                f"{contract.DDPJOB_POD_INDEX}={env[contract.DDPJOB_POD_INDEX]!r} is not a number"
+            ) from exc
+    directory_port = 0
+    if env.get(contract.DDPJOB_DIRECTORY_PORT, "").strip():
+        text = env[contract.DDPJOB_DIRECTORY_PORT]
+        if not text.strip().isdigit() or not 0 <= int(text) <= 65535:
+            raise ValueError(f"{contract.DDPJOB_DIRECTORY_PORT}={text!r} is not a port (0-65535)")
+        directory_port = int(text)
+    peers = tuple(
+        item.strip() for item in env.get(contract.DDPJOB_RDZV_PEERS, "").split(",") if item.strip()
+    )
+    for peer in peers:
+        split_endpoint(peer, default_port=-1)  # raises naming it
     return Settings(
+        pod_index=pod_index,
+        directory_port=directory_port,
+        peers=peers,
         is_host=is_host,
         join_timeout=join_timeout,
         grace_seconds=grace,
@@ -453,3 +487,62 @@ def round_is_full(
         return False
     joined = set(participants)
     return len(joined) >= min_nodes and expected <= joined
+
+
+def has_quorum(
+    participants: Collection[str],
+    base: Mapping[str, int | None],
+    gone: Collection[str],
+    indexes: Mapping[str, int | None],
+) -> bool:
+    """Whether a forming round may complete: it holds a strict majority of the last round's
+    members (``base``: node -> pod index) that are not known to be gone.
+
+    Known gone: they left, their address refused (their process is dead), or a pod with the
+    same index joins (the operator replaces pod *i* only once the old pod object is gone). A
+    member that is merely silent still counts: it may be alive on the other side of a
+    partition, and of two sides only one can hold a majority, so two groups never train at
+    once. With no base (the job's first round) or every member gone, any round may complete.
+    """
+    joined = set(participants)
+    replaced = {indexes.get(node) for node in joined - set(base)} - {None}
+    alive = {
+        node
+        for node, index in base.items()
+        if node not in gone and (index is None or index not in replaced or node in joined)
+    }
+    if not alive:
+        return True
+    return 2 * len(alive & joined) > len(alive)
+
+
+def successor(ranks: Mapping[str, int], *, excluded: Collection[str]) -> str | None:
+    """Who hosts the store after its host is lost: the lowest-ranked member of the last round
+    that is not excluded (the old host, and the members known gone or silent). Every survivor
+    computes the same from the round it shares with the others: no vote to lose."""
+    left = sorted((rank, node) for node, rank in ranks.items() if node not in excluded)
+    return left[0][1] if left else None
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StoreAnswer:
+    """A store that a peer named (from its liveness answer): its generation first, so the
+    newest wins; an established one (it completed a round) before a forming one."""
+
+    gen: int
+    established: bool
+    store: str
+
+
+def best_store(answers: Iterable[Mapping[str, object]], run_id: str) -> StoreAnswer | None:
+    """The newest store of run ``run_id`` that the answers name, if any (malformed or foreign
+    answers are skipped)."""
+    found = []
+    for info in answers:
+        gen, store = info.get("gen"), info.get("store")
+        if info.get("run") != run_id or not isinstance(store, str) or not store:
+            continue
+        if not isinstance(gen, int) or isinstance(gen, bool) or gen < 1:
+            continue
+        found.append(StoreAnswer(gen, bool(info.get("established")), store))
+    return max(found, default=None)

@@ -33,6 +33,7 @@ torch's ``torch.rendezvous.<run id>*``.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -48,10 +49,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousContext,
     _RendezvousExitOp,
     _RendezvousJoinOp,
+    _should_keep_alive,
 )
 
 from ddpjob_worker import liveness
-from ddpjob_worker.policy import round_is_full
+from ddpjob_worker.policy import has_quorum, round_is_full
 
 logger = logging.getLogger("ddpjob_worker.rendezvous")
 
@@ -81,6 +83,14 @@ def _key(run_id: str, what: str) -> str:
     return f"ddpjob.{run_id}.{what}"
 
 
+def ident(node: _NodeDesc | str) -> str:
+    """A node's identity across stores: ``<addr>_<pid>``. torch's descriptor also carries a
+    local id that grows with every handler the agent builds, so it changes when the agent
+    moves to another store; the agent process and its address do not."""
+    text = node if isinstance(node, str) else repr(node)
+    return text.rsplit("_", 1)[0]
+
+
 class FastRendezvous:
     """The additions above, attached to one ``DynamicRendezvousHandler``."""
 
@@ -91,8 +101,16 @@ class FastRendezvous:
         self._settings = handler._settings
         self._store: Any = handler._store  # a torch Store (its stub lacks append)
         self._expected: frozenset[_NodeDesc] | None = None
+        self._expected_idents: frozenset[str] | None = None
         self._members: frozenset[_NodeDesc] = frozenset()
+        self._ranks: dict[str, int] = {}
         self._round: int | None = None
+        self.fenced = False
+        """Rounds complete only with a majority of the last round's members (store failover is
+        on): see :func:`ddpjob_worker.policy.has_quorum`."""
+        self.while_waiting: Callable[[], None] | None = None
+        """Called about once a second while a fenced join waits (for more nodes, or for a
+        majority); it may raise to abandon this store, as a host does that finds a newer one."""
         handler._op_executor = _Executor(self, poll)
 
     @classmethod
@@ -118,12 +136,94 @@ class FastRendezvous:
         """The participants of the round we joined last."""
         return self._members
 
-    def joined(self) -> None:
-        """Note the round just joined (call right after ``next_rendezvous``)."""
+    @property
+    def ranks(self) -> dict[str, int]:
+        """Node (``repr``) -> rank in the round we joined last."""
+        return dict(self._ranks)
+
+    @property
+    def round(self) -> int | None:
+        return self._round
+
+    def joined(self, gen: int = 1) -> None:
+        """Note the round just joined (call right after ``next_rendezvous``); the lowest rank
+        records its members in the store as the base of the next round's majority."""
         state = self._holder.state
         self._members = frozenset(state.participants)
+        self._ranks = {repr(node): rank for node, rank in state.participants.items()}
         self._round = state.round
         self._expected = None
+        self._expected_idents = None
+        if self.fenced and self._ranks.get(repr(self._node)) == 0:
+            self.record_base(f"{gen}.{state.round}", self.indexes(map(ident, self._ranks)))
+
+    def record_base(self, base_id: str, members: dict[str, int | None]) -> None:
+        """Record the members (:func:`ident` -> pod index) a later round needs a majority of."""
+        record = json.dumps({"id": base_id, "members": members})
+        self._store.set(_key(self._settings.run_id, "base"), record)
+
+    def base(self) -> tuple[str, dict[str, int | None]] | None:
+        """``(id, members)`` recorded by :meth:`record_base`, if any."""
+        key = _key(self._settings.run_id, "base")
+        if not self._store.check([key]):
+            return None
+        try:
+            record = json.loads(bytes(self._store.get(key)))
+            members = {str(node): index for node, index in record["members"].items()}
+            return str(record["id"]), members
+        except (ValueError, KeyError, TypeError, AttributeError):
+            logger.warning("ignoring a malformed base record in the store")
+            return None
+
+    def confirm_gone(self, nodes: Iterable[str], base_id: str | None = None) -> None:
+        """Name members of the base known to be gone (dead or left), so a majority is counted
+        among the others."""
+        names = sorted(nodes)
+        if not names:
+            return
+        if base_id is None:
+            base = self.base()
+            if base is None:
+                return
+            base_id = base[0]
+        self._store.append(
+            _key(self._settings.run_id, f"gone.{base_id}"), "".join(f"{n};" for n in names)
+        )
+
+    def confirmed_gone(self, base_id: str) -> set[str]:
+        """The members (:func:`ident`) known gone: named for this base, or left the run."""
+        key = _key(self._settings.run_id, f"gone.{base_id}")
+        found = {ident(node) for node in self.left()}
+        if self._store.check([key]):
+            raw = bytes(self._store.get(key)).decode(errors="replace")
+            found |= {item for item in raw.split(";") if item}
+        return found
+
+    def indexes(self, nodes: Iterable[str]) -> dict[str, int | None]:
+        """The pod index each node (:func:`ident`) published (None: none)."""
+        names = list(nodes)
+        keys = [_key(self._settings.run_id, f"index.{node}") for node in names]
+        out: dict[str, int | None] = dict.fromkeys(names)
+        present = [(n, k) for n, k in zip(names, keys, strict=True) if self._store.check([k])]
+        if present:
+            values = self._store.multi_get([k for _, k in present])
+            for (node, _), raw in zip(present, values, strict=True):
+                try:
+                    out[node] = int(bytes(raw))
+                except ValueError:
+                    continue
+        return out
+
+    def quorum(self, participants: Iterable[_NodeDesc]) -> bool:
+        """Whether ``participants`` hold a majority of the base (see :meth:`record_base`)."""
+        base = self.base()
+        if base is None:
+            return True
+        base_id, members = base
+        names = [ident(node) for node in participants]
+        return has_quorum(
+            names, members, self.confirmed_gone(base_id), self.indexes(n for n in names)
+        )
 
     def expect(self, nodes: frozenset[_NodeDesc] | None) -> None:
         """The nodes the next round waits for before it completes (None: torch's last call)."""
@@ -131,6 +231,13 @@ class FastRendezvous:
 
     def expected(self) -> frozenset[_NodeDesc] | None:
         return self._expected
+
+    def expect_idents(self, idents: frozenset[str] | None) -> None:
+        """As :meth:`expect`, by :func:`ident` (the nodes of another store)."""
+        self._expected_idents = idents
+
+    def expected_idents(self) -> frozenset[str] | None:
+        return self._expected_idents
 
     def announce_end(self, reason: str) -> None:
         """Tell the round's members it is over, and why (:data:`END_FAILURE`, :data:`END_LEAVE`,
@@ -152,12 +259,27 @@ class FastRendezvous:
 
     # -- the run's own keys -----------------------------------------------------------------
 
-    def publish(self, address: str, *, host: bool = False) -> None:
-        """Publish where our liveness socket listens (again on every store: a recovered store
-        starts empty), and, from the store's host, which node it is."""
+    def publish(self, address: str, *, host: bool = False, index: int | None = None) -> None:
+        """Publish where our liveness socket listens and our pod index (again on every store:
+        a recovered store starts empty), and, from the store's host, which node it is."""
         self._store.set(_key(self._settings.run_id, f"alive.{self._node!r}"), address)
+        if index is not None:
+            self._store.set(_key(self._settings.run_id, f"index.{ident(self._node)}"), str(index))
         if host:
             self._store.set(_key(self._settings.run_id, "host"), repr(self._node))
+
+    def set_gen(self, gen: int) -> None:
+        """Record this store's generation (1: the job's first store; each failover adds 1)."""
+        self._store.set(_key(self._settings.run_id, "gen"), str(gen))
+
+    def gen(self) -> int:
+        key = _key(self._settings.run_id, "gen")
+        if not self._store.check([key]):
+            return 1
+        try:
+            return int(bytes(self._store.get(key)))
+        except ValueError:
+            return 1
 
     def host(self) -> str | None:
         """The node (``repr``) of the agent that hosts this store, if it said so."""
@@ -285,6 +407,8 @@ class _Executor(_DistributedRendezvousOpExecutor):
         super().__init__(fast._node, fast._holder, fast._settings)
         self._fast = fast
         self._poll = poll
+        self._vetoed_at = 0.0
+        self._asked_at = time.monotonic()
 
     def run(
         self,
@@ -301,11 +425,20 @@ class _Executor(_DistributedRendezvousOpExecutor):
     ) -> Callable[[_RendezvousContext, float], _Action]:
         def handler(ctx: _RendezvousContext, deadline: float) -> _Action:
             while True:
-                if self._full(ctx.state):
-                    return _Action.MARK_RENDEZVOUS_COMPLETE
                 action = join(ctx, deadline)
+                if action == _Action.SYNC and self._full(ctx.state):
+                    action = _Action.MARK_RENDEZVOUS_COMPLETE
+                if action == _Action.MARK_RENDEZVOUS_COMPLETE and not self._may_complete(ctx):
+                    if _should_keep_alive(ctx):
+                        return _Action.KEEP_ALIVE
+                    action = _Action.SYNC
                 if action != _Action.SYNC:
                     return action
+                fast = self._fast
+                now = time.monotonic()
+                if fast.fenced and fast.while_waiting is not None and now - self._asked_at >= 1:
+                    self._asked_at = now
+                    fast.while_waiting()
                 # torch would sleep 1 s here and sync again; we look every poll interval.
                 time.sleep(self._poll)
                 _fresh_sync(self._state_holder)
@@ -314,9 +447,34 @@ class _Executor(_DistributedRendezvousOpExecutor):
 
         return handler
 
+    def _may_complete(self, ctx: _RendezvousContext) -> bool:
+        """The majority rule (:meth:`FastRendezvous.quorum`), when the rendezvous is fenced."""
+        fast = self._fast
+        if not fast.fenced:
+            return True
+        if fast.quorum(ctx.state.participants):
+            return True
+        now = time.monotonic()
+        if now - self._vetoed_at >= 5.0:
+            self._vetoed_at = now
+            logger.info(
+                "round %d waits for a majority of the last round's members (has %s)",
+                ctx.state.round,
+                ", ".join(sorted(map(repr, ctx.state.participants))),
+            )
+        return False
+
     def _full(self, state: _State) -> bool:
         if state.closed or state.complete or self._node not in state.participants:
             return False
+        idents = self._fast.expected_idents()
+        if idents is not None:
+            return round_is_full(
+                {ident(node) for node in state.participants},
+                idents,
+                waiting=len(state.wait_list),
+                min_nodes=self._settings.min_nodes,
+            )
         return round_is_full(
             state.participants,
             self._fast.expected(),
