@@ -20,7 +20,7 @@ import yaml
 
 from ddpjob_operator import api, crd
 from ddpjob_operator.errors import DDPJobError, ManifestError
-from ddpjob_operator.local.options import add_run_arguments
+from ddpjob_operator.local.options import add_run_arguments, check_run_arguments
 from ddpjob_operator.manifest import load_job_file
 from ddpjob_operator.runtime import add_operator_arguments
 
@@ -84,6 +84,7 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_run_arguments(args)
     # torch is what the pods' agents import; checked, not imported (that takes seconds).
     with _needs("local", "run", "torch"):
         from ddpjob_operator.local.runner import run_job  # noqa: PLC0415 - keeps validate light

@@ -1,7 +1,7 @@
-"""`ddpjob run` end to end: real processes, real torch (gloo on CPU), real SIGKILLs.
+"""`ddpjob run` end to end: real processes, real torch (gloo on CPU), real SIGKILLs and SIGSTOPs.
 
 Each test runs the `ddpjob` CLI as a user would, drives it (kills pods, edits the manifest,
-sends Ctrl-C), and asserts on exit codes, the summary, and the training script's step logs.
+sends Ctrl-C, asks for chaos), and asserts on exit codes, the summary, and the training script's step logs.
 No test sleeps blindly: every wait polls for a log line or an exit, with a bound.
 """
 
@@ -180,6 +180,35 @@ def leftovers(run_dir: Path) -> list[str]:
     return found
 
 
+def stopped(run_dir: Path) -> list[int]:
+    """Processes started for this run that are stopped (SIGSTOP: state T or t in /proc)."""
+    needle = f"DDPJOB_RUN_DIR={run_dir}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("T", "t"):
+            found.append(int(entry))
+    return found
+
+
+def frozen_victim(out: str) -> tuple[str, int]:
+    """The pod a freeze hit, and how many processes the runner stopped."""
+    found = re.search(
+        r"chaos: SIGSTOP the process tree of (itest-worker-\d+) \((\d+) processes; "
+        r"a frozen node: nothing answers\)",
+        out,
+    )
+    assert found, out
+    return found.group(1), int(found.group(2))
+
+
 @pytest.fixture
 def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     runs: list[Run] = []
@@ -203,6 +232,7 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Run]]:
 
 def assert_clean_finish(run: Run, code: int) -> None:
     assert run.wait() == code, run.output()
+    assert stopped(run.run_dir) == [], "processes of the run are left stopped"
     assert leftovers(run.run_dir) == [], "processes outlived ddpjob run"
 
 
@@ -246,6 +276,56 @@ def test_killed_pod_is_replaced_and_training_resumes(
     # At most one checkpoint interval is redone (plus the steps in flight when it died).
     assert before - resumed[0] <= every + 1, (before, resumed)
     assert {(149, 0), (149, 1)} <= {(s, r) for s, r, _ in run.steps()}
+
+
+def test_frozen_pod_is_lost_after_the_toleration_and_replaced(
+    tmp_path: Path, start: Callable[..., Run]
+) -> None:
+    """``--chaos-kind freeze``: a silent fault. Nothing answers from the frozen pod until the
+    runner, as a cluster's taint manager, gives up on its node and replaces it.
+
+    minReplicas 2: the survivor cannot go on alone, however soon its agent notices the silent
+    peer, so the job can only finish through the replacement (whatever the agent does).
+    """
+    path = manifest(tmp_path, low=2, steps=150, ckpt_every=10)
+    chaos = ("--chaos", "4", "--chaos-kind", "freeze", "--chaos-faults", "1", "--seed", "3")
+    run = start(path, *chaos, "--chaos-node-lost-after", "3")
+    assert_clean_finish(run, 0)
+    out = run.output()
+    victim, count = frozen_victim(out)
+    assert count >= 1
+    assert "a lost node in 3s unless thawed" in out
+    assert re.search(
+        rf"chaos: {victim} frozen \d+\.\ds, past the node-lost toleration \(3s\): "
+        r"SIGKILL the process tree \(a lost node\)",
+        out,
+    ), out
+    assert "DDPJob itest Succeeded" in out
+    # A lost node: replaced, backoffLimit not spent.
+    assert f"pods replaced: 1 ({victim} NodeLost)" in out
+    assert f"{victim}.1.log" in run.logs()
+    assert {(149, 0), (149, 1)} <= {(s, r) for s, r, _ in run.steps()}
+
+
+def test_ctrl_c_kills_a_frozen_pod(tmp_path: Path, start: Callable[..., Run]) -> None:
+    """A frozen pod would keep Ctrl-C's SIGTERM pending forever: the runner SIGKILLs it, and
+    nothing of the run is left stopped (a dead machine: no thaw, a node-lost toleration that
+    does not end during the test)."""
+    chaos = ("--chaos", "3", "--chaos-kind", "freeze", "--chaos-faults", "1", "--seed", "3")
+    run = start(manifest(tmp_path, steps=10_000), *chaos, "--chaos-node-lost-after", "600")
+    run.wait_for("the freeze", lambda: "chaos: SIGSTOP" in run.output())
+    victim, count = frozen_victim(run.output())
+    # The message comes once the freeze is done: every process of the pod is stopped.
+    processes = run.pod_processes(int(victim.rsplit("-", 1)[1]))
+    assert len(processes) == count
+    assert sorted(p.pid for p in processes) == sorted(stopped(run.run_dir))
+    run.process.send_signal(signal.SIGINT)
+    assert_clean_finish(run, 130)
+    out = run.output()
+    assert (
+        f"stopping: SIGKILL the process tree of {victim} (frozen: it cannot stop gracefully)"
+    ) in out
+    assert "interrupted: every process of the job is stopped" in out
 
 
 def test_scale_up_and_down_while_running(tmp_path: Path, start: Callable[..., Run]) -> None:

@@ -76,6 +76,78 @@ def test_bad_usage_exits_2() -> None:
     assert ddpjob("frobnicate").returncode == 2
 
 
+# ---- ddpjob run's chaos options ----------------------------------------------------------------
+
+_PARTITION = (
+    "ddpjob run: error: argument --chaos-kind: partition is not possible under `ddpjob run`: "
+    "every local pod listens on 127.0.0.1 in this machine's one network namespace, so no pod "
+    "can be cut off from the others alone; use --chaos-kind freeze instead"
+)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--chaos", "5", "--chaos-kind", "partition"], _PARTITION),
+        (["--chaos-kind", "partition"], _PARTITION),
+        (
+            ["--chaos", "5", "--chaos-kind", "scramble"],
+            "argument --chaos-kind: 'scramble' is not a chaos kind; choose from kill, freeze, mixed",
+        ),
+        (["--chaos", "0"], "argument --chaos: '0': give more than 0 seconds"),
+        (
+            ["--chaos", "5", "--chaos-kind", "freeze", "--chaos-node-lost-after", "-1"],
+            "argument --chaos-node-lost-after: '-1': give 0 or more seconds",
+        ),
+        (
+            ["--chaos-kind", "freeze", "--chaos-thaw", "3"],
+            "error: --chaos-kind, --chaos-thaw without --chaos SECONDS does nothing: "
+            "add --chaos SECONDS",
+        ),
+        (
+            ["--chaos", "5", "--chaos-thaw", "3"],
+            "error: --chaos-thaw applies to frozen pods, and --chaos-kind kill freezes none: "
+            "add --chaos-kind freeze (or mixed)",
+        ),
+        (
+            ["--chaos", "5", "--chaos-kind", "kill", "--chaos-node-lost-after", "3"],
+            "error: --chaos-node-lost-after applies to frozen pods, and --chaos-kind kill "
+            "freezes none",
+        ),
+    ],
+    ids=[
+        "partition",
+        "partition-without-chaos",
+        "unknown-kind",
+        "zero-interval",
+        "negative-toleration",
+        "no-chaos",
+        "thaw-with-kill",
+        "node-lost-with-kill",
+    ],
+)
+def test_run_refuses_chaos_options_that_cannot_work(
+    tmp_path: Path, options: list[str], message: str
+) -> None:
+    """Exit 2 naming the option, before anything runs (the manifest need not even exist)."""
+    result = ddpjob("run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"), *options)
+    assert result.returncode == 2, result
+    assert message in " ".join(result.stderr.split()), result.stderr
+    assert "no such file" not in result.stderr  # refused before the manifest is read
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_help_names_the_chaos_kinds() -> None:
+    result = ddpjob("run", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--chaos-kind {kill,freeze,mixed}" in text
+    for words in ("kill: SIGKILL", "freeze: SIGSTOP", "mixed: kill or freeze", "partition is"):
+        assert words in text, words
+    assert "--chaos-faults N, --chaos-kills N" in text
+
+
 def test_crd_prints_the_checked_in_crd() -> None:
     result = ddpjob("crd")
     assert result.returncode == 0

@@ -7,6 +7,10 @@ same type the Kubernetes executor reports. Only this module and the runner touch
 A pod's process tree is the trainer process and every descendant (torch's agent starts its
 workers in sessions of their own, so a process group is not enough). The runner makes itself a
 child subreaper, so orphans of a dead agent come back to it and are killed too.
+
+A tree can be frozen (SIGSTOP to every member: a machine that stops, whose kernel still ACKs
+while nothing answers) and thawed (SIGCONT). A stopped process keeps SIGTERM pending until it is
+continued, but SIGKILL ends it at once, so :meth:`ContainerProcess.kill` needs no thaw first.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from ddpjob_worker.state import AgentState, Phase, read_state
 LOOPBACK = "127.0.0.1"
 _PR_SET_CHILD_SUBREAPER = 36
 _VAR_REF = re.compile(r"\$\$|\$\(([^)]*)\)")
+_STOPPED = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
+_FREEZE_PASSES = 100
+_FREEZE_PASS_SECONDS = 0.01
 LOCAL_TRAINER = "spec.template.spec.containers[0]"
 
 
@@ -236,6 +243,8 @@ class ContainerProcess:
     """A cgroup's ``cgroup.procs`` that holds every process of the container (the process
     kubelet's): then membership is read from it, exactly and cheaply, instead of walking the
     process tree (which loses orphans whose parent died)."""
+    frozen_since: float | None = None
+    """``time.monotonic()`` when the tree was frozen (SIGSTOP); None when it is not frozen."""
 
     @property
     def pid(self) -> int:
@@ -288,9 +297,38 @@ class ContainerProcess:
             self.process.send_signal(signal.SIGTERM)  # a no-op once reaped: never a reused pid
 
     def kill(self) -> None:
-        """SIGKILL the whole tree at once."""
+        """SIGKILL the whole tree at once (a frozen one too: SIGKILL ends a stopped process)."""
         self.remember_descendants()
         signal_all(self.all_processes(), signal.SIGKILL)
+        self.frozen_since = None
+
+    def freeze(self, now: float) -> int:
+        """SIGSTOP every process of the tree; the number of processes stopped.
+
+        The walk is repeated until every member is seen stopped (bounded), so a child forked
+        while the first walk ran is stopped too: a stopped process forks no more.
+        """
+        self.remember_descendants()
+        self.frozen_since = now
+        members: set[int] = set()
+        for _ in range(_FREEZE_PASSES):
+            running = []
+            for process in self.all_processes():
+                members.add(process.pid)
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if process.status() not in _STOPPED:
+                        running.append(process)
+            if not running:
+                break
+            signal_all(running, signal.SIGSTOP)
+            time.sleep(_FREEZE_PASS_SECONDS)
+        return len(members)
+
+    def thaw(self) -> None:
+        """SIGCONT every process of the tree (a SIGTERM sent meanwhile is handled now)."""
+        self.remember_descendants()
+        signal_all(self.all_processes(), signal.SIGCONT)
+        self.frozen_since = None
 
     def reap(self, now: float) -> bool:
         """Enforce the grace period; True when the whole tree is gone."""
@@ -379,10 +417,20 @@ class LocalPod:
         except (OSError, ValueError):
             self.agent_state = None
 
+    @property
+    def frozen_since(self) -> float | None:
+        """``time.monotonic()`` when chaos froze the pod (None: not frozen, or it has exited:
+        killed by someone else meanwhile)."""
+        if self.container.frozen_since is None or self.exit_code is not None:
+            return None
+        return self.container.frozen_since
+
     def observe(self) -> ObservedPod:
         code = self.exit_code
         state = self.agent_state if code is None else None
-        running = state is not None and state.phase is Phase.RUNNING
+        # A frozen pod is not ready, as the node controller marks the pods of a node that stopped
+        # reporting (here at once): its agent's state file is as stale as its node.
+        running = state is not None and state.phase is Phase.RUNNING and self.frozen_since is None
         if code is None:
             phase = PodPhase.RUNNING
         else:
@@ -418,6 +466,14 @@ class LocalPod:
     def kill(self) -> None:
         """SIGKILL the whole tree at once (chaos, second Ctrl-C, grace expired)."""
         self.container.kill()
+
+    def freeze(self, now: float) -> int:
+        """SIGSTOP the whole tree (chaos); the number of processes stopped."""
+        return self.container.freeze(now)
+
+    def thaw(self) -> None:
+        """SIGCONT the whole tree."""
+        self.container.thaw()
 
     def reap(self, now: float) -> bool:
         """Enforce the grace period; True when the whole tree is gone."""

@@ -7,9 +7,23 @@ can run side by side.
 
 Scaling: edit ``spec.replicas`` in the manifest while the job runs (or run
 ``ddpjob scale FILE N``). The runner re-reads the file when it changes; an invalid edit is
-reported and ignored. Chaos: ``--chaos SECONDS`` SIGKILLs a random pod's whole process tree
-(the master included) at about that interval, as a lost node would be, and the job recovers
-through the same reconcile logic.
+reported and ignored.
+
+Chaos: ``--chaos SECONDS`` injects a fault into a random pod (the master included) at about that
+interval, and the job recovers through the same reconcile logic. The runner plays the cluster:
+
+* ``--chaos-kind kill`` SIGKILLs the pod's whole process tree: a lost node, loud (connections
+  are reset). The pod reads as failed with reason ``NodeLost``: replaced, backoffLimit not spent.
+* ``--chaos-kind freeze`` SIGSTOPs the whole tree: a frozen node, silent (the kernel still ACKs,
+  nothing answers). The pod reads as not ready at once, as the node controller marks the pods
+  of a node that stopped reporting. ``--chaos-thaw`` SIGCONTs it after that many seconds (a long
+  stall); a pod still frozen after ``--chaos-node-lost-after`` (default: the job's
+  ``spec.nodeLostTolerationSeconds``, the not-ready toleration its pods get on a cluster, whose
+  node monitor grace period is skipped here) is treated as the taint manager would: SIGKILLed
+  and replaced as ``NodeLost``. A frozen pod cannot stop gracefully (SIGTERM waits until it is
+  continued), so Ctrl-C and the end of the job SIGKILL it.
+* ``--chaos-kind mixed`` picks one of the two for each fault. A partition cannot be done here
+  (every pod shares 127.0.0.1): :mod:`.options` refuses it.
 
 Stopping: a signal handler only counts SIGINT/SIGTERM; the loop acts on it. Once
 interrupted no pod starts (a CreatePod is skipped), every pod gets SIGTERM, including one
@@ -122,7 +136,10 @@ class LocalRunner:
             rdzv_host="127.0.0.1", rdzv_port=free_port(), state_dir=str(self.run_dir / "state")
         )
         self.chaos_interval: float | None = args.chaos
-        self.chaos_left: int = args.chaos_kills
+        self.chaos_kind: str = args.chaos_kind or "kill"
+        self.chaos_thaw: float | None = args.chaos_thaw
+        self.chaos_node_lost_after: float | None = args.chaos_node_lost_after
+        self.chaos_left: int = args.chaos_faults
         self.random = random.Random(args.seed)  # noqa: S311 - chaos timing, not cryptography
         self.pods: dict[str, LocalPod] = {}
         self.attempts: dict[int, int] = {}
@@ -182,11 +199,13 @@ class LocalRunner:
             if self.interrupts:
                 continue  # stop the pods at once, this tick's new ones included
             self._chaos(now)
+            self._frozen(now)
             self._reap(now)
             self._account_progress(now)
             self.view.update(self.job, self.pods, self.progress, now - self.started)
             if self.job.status.phase.is_finished:
                 self._stop_kept_pods(now)
+                self._kill_frozen("the job is finished")
                 if not self.pods_alive():
                     return self._finish(now)
             time.sleep(TICK_SECONDS)
@@ -285,15 +304,71 @@ class LocalRunner:
         if any(p.exit_code == 0 for p in self.pods.values()):
             return  # completing: nothing left to disrupt
         victims = [
-            p for p in self.pods.values() if p.exit_code is None and p.deleting_since is None
+            p
+            for p in self.pods.values()
+            if p.exit_code is None and p.deleting_since is None and p.frozen_since is None
         ]
         if not victims:
             return
         victim = self.random.choice(sorted(victims, key=lambda p: p.index))
         self.chaos_left -= 1
+        kind = self.chaos_kind
+        if kind == "mixed":
+            kind = self.random.choice(("kill", "freeze"))
+        if kind == "freeze":
+            count = victim.freeze(now)
+            self.view.message(
+                f"chaos: SIGSTOP the process tree of {victim.name} ({count} processes; a frozen "
+                f"node: nothing answers), {self._freeze_outcome()}"
+            )
+            return
         victim.disruption = Reason.NODE_LOST.value
         self.view.message(f"chaos: SIGKILL the process tree of {victim.name} (a lost node)")
         victim.kill()
+
+    def _node_lost_after(self) -> float:
+        """How long a frozen pod's node stays "not ready" before it is lost (see the module)."""
+        if self.chaos_node_lost_after is not None:
+            return self.chaos_node_lost_after
+        return float(self.job.spec.node_lost_toleration_seconds)
+
+    def _freeze_outcome(self) -> str:
+        lost_after = self._node_lost_after()
+        if self.chaos_thaw is not None and self.chaos_thaw < lost_after:
+            return f"SIGCONT in {self.chaos_thaw:g}s"
+        return f"a lost node in {lost_after:g}s unless thawed"
+
+    def _frozen(self, now: float) -> None:
+        """Thaw frozen pods when due; a pod frozen past the toleration is a lost node."""
+        lost_after = self._node_lost_after()
+        for pod in self.pods.values():
+            if pod.frozen_since is None:
+                continue
+            frozen_for = now - pod.frozen_since
+            if self.chaos_thaw is not None and frozen_for >= self.chaos_thaw:
+                pod.thaw()
+                self.view.message(
+                    f"chaos: SIGCONT the process tree of {pod.name} (frozen {frozen_for:.1f}s: "
+                    "the node is back)"
+                )
+            elif frozen_for >= lost_after:
+                if pod.disruption is None:
+                    pod.disruption = Reason.NODE_LOST.value
+                self.view.message(
+                    f"chaos: {pod.name} frozen {frozen_for:.1f}s, past the node-lost toleration "
+                    f"({lost_after:g}s): SIGKILL the process tree (a lost node)"
+                )
+                pod.kill()
+
+    def _kill_frozen(self, why: str) -> None:
+        """SIGKILL the frozen pods: SIGTERM would wait, pending, until they are continued."""
+        for pod in self.pods.values():
+            if pod.frozen_since is not None:
+                self.view.message(
+                    f"{why}: SIGKILL the process tree of {pod.name} (frozen: it cannot stop "
+                    "gracefully)"
+                )
+                pod.kill()
 
     # ---- stopping --------------------------------------------------------------------------------
 
@@ -322,6 +397,7 @@ class LocalRunner:
                 break
             for pod in self.pods.values():
                 pod.terminate(now)  # once per pod: a no-op for the ones already deleting
+            self._kill_frozen("stopping")
             if self._stopping(now):
                 break
             time.sleep(TICK_SECONDS)

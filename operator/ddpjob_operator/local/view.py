@@ -36,6 +36,8 @@ def _pod_phase(pod: LocalPod) -> str:
     if pod.deleting_since is not None:
         return "Terminating"
     code = pod.exit_code
+    if code is None and pod.frozen_since is not None:
+        return "Frozen (SIGSTOP)"
     if code is None:
         state = pod.agent_state
         return f"Running ({state.phase.value})" if state is not None else "Running"
