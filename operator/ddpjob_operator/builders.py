@@ -71,6 +71,9 @@ class Network:
     rdzv_host: str | None = None
     rdzv_port: int | None = None
     state_dir: str | None = None
+    directory_base: int | None = None
+    """Local runner: pod ``i``'s agent answers on ``directory_base + i`` (every pod shares
+    127.0.0.1). Cluster: every pod answers on the rendezvous port + 1 at its own address."""
 
     def endpoint_host(self, job: api.DDPJob) -> str:
         if self.rdzv_host is not None:
@@ -79,6 +82,23 @@ class Network:
 
     def port(self, job: api.DDPJob) -> int:
         return self.rdzv_port if self.rdzv_port is not None else job.spec.rendezvous.port
+
+    def directory_port(self, job: api.DDPJob, index: int) -> int:
+        """Where pod ``index``'s agent answers which store carries the job now."""
+        if self.directory_base is not None:
+            return self.directory_base + index
+        port = self.port(job)
+        return port + 1 if port < 65535 else port - 1
+
+    def peers(self, job: api.DDPJob) -> tuple[str, ...]:
+        """Where a starting agent asks for the current store: every pod of the job (the
+        headless Service's name resolves to all of them, ready or not)."""
+        if self.directory_base is not None:
+            host = self.rdzv_host or "127.0.0.1"
+            count = job.spec.effective_max
+            return tuple(f"{host}:{self.directory_base + i}" for i in range(count))
+        name = f"{service_name(job.name)}.{job.namespace}.svc"
+        return (f"{name}:{self.directory_port(job, 0)}",)
 
     def state_file(self, job: api.DDPJob, index: int) -> str:
         if self.state_dir is None:
@@ -253,6 +273,8 @@ def agent_contract(
         # Leave the agent a few seconds of the pod's grace period to report and exit.
         grace_seconds=max(1, int(grace) - 5),
         state_file=network.state_file(job, index),
+        directory_port=network.directory_port(job, index),
+        peers=network.peers(job),
     )
 
 

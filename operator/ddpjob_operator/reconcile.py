@@ -34,15 +34,17 @@ do, and the rules read the buckets. Every classification rule lives in
   scheduling, config errors) are in ``status.waiting``, the Running condition and Events.
 * Once any pod has succeeded the job is completing: nothing is created or replaced, and the job
   succeeds when no pod is left pending or running (Kubeflow trainer#1982 marks it Succeeded as
-  soon as one worker does, while others still hold GPUs). A pod that is not ready once pod 0,
-  the store host, has succeeded can never join a round (the store is gone, and nothing is
-  re-created): a pod created by a late scale-up or replacement, still waiting to join. It is no
-  longer waited for ``STRANDED_AFTER_SECONDS`` after pod 0 finished, and the job's cleanup
+  soon as one worker does, while others still hold GPUs). A pod that is not ready once a pod
+  has succeeded can never join a round (the last round is over, whichever pod hosted its store,
+  and nothing is re-created): a pod created by a late scale-up or replacement, still waiting to
+  join. It is no longer waited for ``STRANDED_AFTER_SECONDS`` after the first pod finished
+  successfully, and the job's cleanup
   (``cleanPodPolicy``) removes it, instead of it holding its node until its agent's join
   timeout.
 * Otherwise: create the Service and every missing pod ``0..replicas-1``, delete failed pods so
   they can be recreated under the same name, and scale down by deleting the highest indices
-  first (pod 0, the rendezvous host, is never removed while the job runs).
+  first (pod 0, which bootstraps the job's first store, is never removed while the job runs;
+  any pod may host the store later: docs/agent.md, store failover).
 * A pod still Terminating ``forceDeleteAfterSeconds`` after its grace period ended (its node is
   lost; no kubelet will confirm) is force-deleted, and the pass asks to be requeued when that is
   due, so the job never wedges (kubeflow trainer#2072).
@@ -98,9 +100,9 @@ INVALID_SPEC = "InvalidSpec"
 DEFERRED_REQUEUE = 1.0
 """Seconds until the next pass when this one left work for it (the per-pass bounds)."""
 STRANDED_AFTER_SECONDS = 30.0
-"""How long a completing job still waits for its pods that are not ready after pod 0 (the store
-host) succeeded: a member of the last round may still be on its way out (pod 0 finished after
-the round's exit barrier, so every member had finished training by then)."""
+"""How long a completing job still waits for its pods that are not ready after its first pod
+succeeded: a member of the last round may still be on its way out (a pod succeeds after the
+round's exit barrier, so every member had finished training by then)."""
 
 
 class DeleteWhy(enum.StrEnum):
@@ -958,23 +960,24 @@ def _success(
     succeeded: Sequence[ObservedPod], live: Sequence[ObservedPod], now: dt.datetime
 ) -> tuple[_Verdict | None, float | None]:
     """A completing job's success: once no pod is live, or once the only live pods are not
-    ready ``STRANDED_AFTER_SECONDS`` after pod 0 succeeded (they can never join a round). Else
-    no verdict, and the seconds until that check is due (``None`` when it never will be: pod 0
-    has not succeeded, its end is unknown, or a live pod is ready)."""
+    ready ``STRANDED_AFTER_SECONDS`` after the first pod succeeded (they can never join a
+    round: the last round is over, whichever pod hosted its store). Else no verdict, and the
+    seconds until that check is due (``None`` when it never will be: no succeeded pod's end is
+    known, or a live pod is ready)."""
     if not live:
         return _Verdict(
             JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully"
         ), None
-    host = next((p for p in succeeded if p.index == 0), None)
-    if host is None or host.finished_at is None or any(p.ready for p in live):
+    ends = [p.finished_at for p in succeeded if p.finished_at is not None]
+    if not ends or any(p.ready for p in live):
         return None, None
-    left = STRANDED_AFTER_SECONDS - (now - host.finished_at).total_seconds()
+    left = STRANDED_AFTER_SECONDS - (now - min(ends)).total_seconds()
     if left > 0:
         return None, left
     names = ", ".join(p.name for p in live)
     message = (
-        f"pod 0 and the last round succeeded; {names} never joined it and no longer can (the "
-        f"store host is gone): left to cleanPodPolicy"
+        f"the last round succeeded; {names} never joined it and no longer can (its store is "
+        f"gone with it): left to cleanPodPolicy"
     )
     return _Verdict(JobPhase.SUCCEEDED, "Succeeded", message), None
 

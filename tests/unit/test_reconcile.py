@@ -222,14 +222,21 @@ def test_success_needs_every_live_pod_to_finish() -> None:
     assert all_done.status.succeeded == 2
 
 
-def test_a_pod_that_never_joined_the_last_round_is_not_waited_for_once_pod_0_is_done() -> None:
+@pytest.mark.parametrize("host", [0, 1], ids=["pod 0 hosted the store", "pod 1 hosted it"])
+def test_a_pod_that_never_joined_the_last_round_is_not_waited_for_once_it_is_done(
+    host: int,
+) -> None:
     """A scale-up (or a replacement) that lands as the last round finishes: its pod's agent
     waits for a store host that will never come back. It holds its node only
-    STRANDED_AFTER_SECONDS past pod 0's end, not the agent's join timeout."""
+    STRANDED_AFTER_SECONDS past the first pod's end, not the agent's join timeout; whichever
+    pod hosted the last round's store (after a failover any pod may: here pod 0 is the
+    stranded replacement)."""
     job = make_job(status=running_status(), replicas=3, maxReplicas=3)
     done = {"exit_code": 0, "finished_at": T0}
-    pods = (pod(0, PodPhase.SUCCEEDED, **done), pod(1, PodPhase.SUCCEEDED, **done))
-    late = pod(2, ready=False)
+    members = [i for i in range(3) if i != (2 if host == 0 else 0)]
+    pods = tuple(pod(i, PodPhase.SUCCEEDED, **done) for i in members)
+    stranded = 2 if host == 0 else 0
+    late = pod(stranded, ready=False)
     soon = run(job, *pods, late, now=T0 + dt.timedelta(seconds=10))
     assert soon.status.phase is api.JobPhase.RUNNING
     assert kinds(soon) == []
@@ -237,8 +244,8 @@ def test_a_pod_that_never_joined_the_last_round_is_not_waited_for_once_pod_0_is_
     due = run(job, *pods, late, now=T0 + dt.timedelta(seconds=STRANDED_AFTER_SECONDS))
     assert due.status.phase is api.JobPhase.SUCCEEDED
     (succeeded,) = [c for c in due.status.conditions if c.type == "Succeeded"]
-    assert "demo-worker-2 never joined it" in succeeded.message
-    assert kinds(due) == [("delete", 2, "Cleanup")]  # cleanPodPolicy Running
+    assert f"demo-worker-{stranded} never joined it" in succeeded.message
+    assert kinds(due) == [("delete", stranded, "Cleanup")]  # cleanPodPolicy Running
     assert due.status.succeeded == 2 and due.status.restarts == 0
     assert due.status.backoff_count == 0
 
@@ -248,12 +255,10 @@ def test_a_pod_that_never_joined_the_last_round_is_not_waited_for_once_pod_0_is_
     [
         # A member of the last round still on its way out: ready.
         (pod(0, PodPhase.SUCCEEDED, exit_code=0, finished_at=T0), pod(1)),
-        # Pod 0, the store host, still runs: a waiting pod may still join it.
-        (pod(0, ready=False), pod(1, PodPhase.SUCCEEDED, exit_code=0, finished_at=T0)),
-        # When pod 0 finished is unknown: no clock to start.
+        # When the succeeded pod finished is unknown: no clock to start.
         (pod(0, PodPhase.SUCCEEDED, exit_code=0), pod(1, ready=False)),
     ],
-    ids=["a ready pod", "pod 0 still runs", "pod 0's end unknown"],
+    ids=["a ready pod", "the end unknown"],
 )
 def test_a_completing_job_still_waits_for(pods: tuple[ObservedPod, ...]) -> None:
     job = make_job(status=running_status())

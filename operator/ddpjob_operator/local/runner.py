@@ -95,6 +95,24 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive ports nobody listens on now: the pods' directory
+    ports (pod ``i`` answers on ``base + i``; every local pod shares 127.0.0.1)."""
+    for _ in range(100):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 @dataclasses.dataclass
 class Progress:
     """What the runner learns from the pods' logs and agents, for the view and the summary."""
@@ -133,7 +151,10 @@ class LocalRunner:
         default_dir = Path(".ddpjob") / "runs" / f"{job.name}-{stamp}-{os.getpid()}"
         self.run_dir = Path(args.run_dir or default_dir).resolve()
         self.network = builders.Network(
-            rdzv_host="127.0.0.1", rdzv_port=free_port(), state_dir=str(self.run_dir / "state")
+            rdzv_host="127.0.0.1",
+            rdzv_port=free_port(),
+            state_dir=str(self.run_dir / "state"),
+            directory_base=free_port_run(job.spec.effective_max),
         )
         self.chaos_interval: float | None = args.chaos
         self.chaos_kind: str = args.chaos_kind or "kill"
