@@ -550,7 +550,13 @@ class DdpjobAgent(LocalElasticAgent):
         at the peers' answers (:class:`ddpjob_worker.liveness.PeerWatch`)."""
         self._dropped = frozenset()
         silent = self._watch.silent() if self._watch is not None else set()
-        self._silent_seen |= {ident(node) for node in silent}
+        dead = self._watch.dead() if self._watch is not None else set()
+        silent -= dead
+        self._silent_seen |= {ident(node) for node in silent | dead}
+        if self._host_node in dead and not self._hosting:
+            logger.warning("the rendezvous store's host (%s) is gone", self._host_node)
+            self._host_gone = True
+            return 0, True
         if self._host_node in silent and not self._hosting:
             logger.warning(
                 "the rendezvous store's host (%s) has not answered for %gs: taking it as lost",
@@ -583,8 +589,8 @@ class DdpjobAgent(LocalElasticAgent):
             logger.info("the store's host hands over (it stops): carrying on around a new host")
             self._host_gone = True
             return 0, True
-        if silent:
-            self._drop_silent(silent)
+        if silent or dead:
+            self._drop_silent(silent, dead)
         if self._round_over:
             # A peer restarts or leaves: re-form now, not when our collective breaks.
             logger.info(
@@ -615,24 +621,31 @@ class DdpjobAgent(LocalElasticAgent):
             ),
         )
 
-    def _drop_silent(self, silent: set[str]) -> None:
-        """Re-form the round without members that stopped answering: name them in the round
-        (the others read it when they rejoin), end the round, and expire their heartbeats."""
+    def _drop_silent(self, silent: set[str], dead: set[str]) -> None:
+        """Re-form the round without members that stopped answering (``silent``) or whose
+        address refuses (``dead``): name them in the round (the others read it when they
+        rejoin), end the round, and expire their heartbeats. Only the dead ones are known gone
+        (a silent one may be alive behind a partition: it still counts for a majority)."""
         fast = self._fast
         if fast is None:
             return
-        self._dropped = frozenset(silent)
-        logger.warning(
-            "no answer from %s for %gs (a machine lost silently, a partition or a frozen pod): "
-            "re-forming without %s",
-            ", ".join(sorted(silent)),
-            liveness.SILENT_AFTER_SECONDS,
-            "it" if len(silent) == 1 else "them",
-        )
-        nodes = [node for node in fast.members if repr(node) in silent]
+        self._dropped = frozenset(silent | dead)
+        if silent:
+            logger.warning(
+                "no answer from %s for %gs (a machine lost silently, a partition or a frozen "
+                "pod): re-forming without %s",
+                ", ".join(sorted(silent)),
+                liveness.SILENT_AFTER_SECONDS,
+                "it" if len(silent) == 1 else "them",
+            )
+        if dead:
+            logger.warning("%s refused: re-forming without it", ", ".join(sorted(dead)))
+        nodes = [node for node in fast.members if repr(node) in silent | dead]
 
         def drop() -> None:
             fast.announce_silent(sorted(silent))
+            if fast.fenced:
+                fast.confirm_gone(ident(node) for node in dead)
             fast.announce_end(END_FAILURE)
             fast.mark_dead(nodes)
 
@@ -831,6 +844,10 @@ class DdpjobAgent(LocalElasticAgent):
         try:
             gone, unsure = fast.gone(fast.members)
             fast.mark_dead(gone)
+            if fast.fenced:
+                # Dead or left, not merely silent: out of the count a majority is taken of.
+                silent = fast.silent()
+                fast.confirm_gone(ident(node) for node in gone if repr(node) not in silent)
         except (RuntimeError, OSError) as exc:  # store trouble: torch's timings apply
             logger.warning("could not check which peers are alive: %s", exc)
             fast.expect(None)
@@ -1007,7 +1024,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._params = _store_params(self._params, f"{addr}:{port}", is_host=True)
         self._hosting = True
         self._gen += 1
-        self._store_address = f"{addr}:{port}"
+        self._store_address = None  # not named to anyone before the base is in it
         base_id = self._base_id or f"{self._gen - 1}.0"
         self._install(handler)
         new = self._fast
@@ -1015,6 +1032,7 @@ class DdpjobAgent(LocalElasticAgent):
             new.record_base(base_id, self._base or dict.fromkeys(ranks))
             new.confirm_gone(confirmed, base_id)
             new.expect_idents(frozenset(ranks) - excluded)
+        self._store_address = f"{addr}:{port}"
         self._say()
         logger.warning(
             "hosting the rendezvous store, generation %d, at %s", self._gen, self._store_address
@@ -1068,7 +1086,7 @@ class DdpjobAgent(LocalElasticAgent):
         peers = {node: address for node, address in self._addresses.items() if node != me}
         answers = [
             answer.info
-            for answer in map(liveness.ask, peers.values())
+            for answer in liveness.ask_all(peers).values()
             if answer.info is not None and answer.info.get("store") != self._store_address
         ]
         found = best_store(answers, self._params.run_id)

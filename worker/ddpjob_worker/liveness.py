@@ -268,14 +268,14 @@ class PeerWatch:
                 self._stop.wait(max(0.0, self._interval - (now - started)))
 
     def silent(self, window: float = SILENT_AFTER_SECONDS) -> set[str]:
-        """Peers not heard from for ``window`` seconds, or refused (dead), as of now; nobody
-        while this watch itself has not been asking (see the class doc)."""
+        """Peers not heard from for ``window`` seconds, as of now (a dead one too, once the
+        window has passed); nobody while this watch itself has not been asking (see the class
+        doc)."""
         now = time.monotonic()
         with self._lock:
             if now - self._ticked > self._interval + self._timeout + 0.5:
                 return set()
-            quiet = {node for node, heard in self._heard.items() if now - heard >= window}
-            return quiet | self._dead
+            return {node for node, heard in self._heard.items() if now - heard >= window}
 
     def dead(self) -> set[str]:
         """Peers whose address refused or has no route at the last question."""

@@ -221,9 +221,11 @@ class FastRendezvous:
             return True
         base_id, members = base
         names = [ident(node) for node in participants]
-        return has_quorum(
-            names, members, self.confirmed_gone(base_id), self.indexes(n for n in names)
-        )
+        gone = self.confirmed_gone(base_id)
+        if has_quorum(names, members, gone, self.indexes(n for n in names)):
+            return True
+        logger.debug("no majority of base %s %s (gone %s) in %s", base_id, members, gone, names)
+        return False
 
     def expect(self, nodes: frozenset[_NodeDesc] | None) -> None:
         """The nodes the next round waits for before it completes (None: torch's last call)."""
