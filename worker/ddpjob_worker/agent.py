@@ -1034,6 +1034,8 @@ class DdpjobAgent(LocalElasticAgent):
             new.expect_idents(frozenset(ranks) - excluded)
         self._store_address = f"{addr}:{port}"
         self._say()
+        self._store_recoveries += 1
+        self._state.update(store_recoveries=self._store_recoveries)
         logger.warning(
             "hosting the rendezvous store, generation %d, at %s", self._gen, self._store_address
         )
@@ -1078,8 +1080,8 @@ class DdpjobAgent(LocalElasticAgent):
         logger.info("joined the rendezvous store, generation %d, at %s", found.gen, found.store)
 
     def _check_superseded(self) -> None:
-        """While our round waits for a majority: if a member of the last round names a newer
-        store (one that completed a round, or a newer generation), ours is superseded."""
+        """While our join waits: if a member of the last round names a newer store (a newer
+        generation, or the same one established while ours is not), ours is superseded."""
         if not self._addresses:
             return
         me = ident(self._fast.node) if self._fast is not None else ""
@@ -1092,8 +1094,7 @@ class DdpjobAgent(LocalElasticAgent):
         found = best_store(answers, self._params.run_id)
         if found is None:
             return
-        mine = (self._gen, self._store_rounds > 0)
-        if (found.gen, found.established) > mine or (found.established and not mine[1]):
+        if (found.gen, found.established) > (self._gen, self._store_rounds > 0):
             raise SupersededError(found)
 
     def _old_host_silent(self, host: str, port: int) -> bool:
