@@ -335,7 +335,14 @@ def resolve_settings(
         item.strip() for item in env.get(contract.DDPJOB_RDZV_PEERS, "").split(",") if item.strip()
     )
     for peer in peers:
-        split_endpoint(peer, default_port=-1)  # raises naming it
+        try:
+            _, peer_port = split_endpoint(peer, default_port=-1)
+        except ValueError as exc:
+            raise ValueError(f"{contract.DDPJOB_RDZV_PEERS}: {exc}") from exc
+        if peer_port < 0:
+            raise ValueError(
+                f"{contract.DDPJOB_RDZV_PEERS}: {peer!r} needs a port (host:port, comma-separated)"
+            )
     return Settings(
         pod_index=pod_index,
         directory_port=directory_port,
