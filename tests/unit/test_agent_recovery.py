@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -18,6 +26,7 @@ from ddpjob_worker.policy import (
     round_is_full,
     settled,
 )
+from tests.harness import wait_until
 
 
 def failed(remaining: int, collateral: bool | None) -> Action:
@@ -117,3 +126,174 @@ def test_no_answer_in_time_decides_nothing() -> None:
         finally:
             for client in held:
                 client.close()
+
+
+# -- a silent peer: the listener answers, a frozen process does not ----------------------------
+
+LISTENER_CHILD = (
+    "import sys, time; from ddpjob_worker import liveness; "
+    "l = liveness.Listener('127.0.0.1'); l.info = {'v': 1, 'who': 'child'}; "
+    "print(l.address, flush=True); time.sleep(60)"
+)
+
+
+@contextlib.contextmanager
+def listener_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A child process listening with :class:`liveness.Listener`, and its address; killed (even
+    stopped: SIGKILL ends a stopped process) on the way out."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", LISTENER_CHILD], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        address = child.stdout.readline().strip()
+        assert address, "the child printed no address"
+        yield child, address
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped (the signal is delivered
+    asynchronously: a thread woken by a connection may still answer it first)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = [
+            (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            for task in Path(f"/proc/{pid}/task").iterdir()
+        ]
+        return all(state in {"T", "t"} for state in states)
+
+    wait_until(f"pid {pid} stopped", stopped, 10, interval=0.01)
+
+
+def test_asking_a_listener_gets_its_own_words() -> None:
+    listener = liveness.Listener("127.0.0.1")
+    try:
+        assert liveness.ask(listener.address) == liveness.Answer(Liveness.ALIVE, {"v": 1})
+        listener.info = {"v": 1, "round": 3}
+        assert liveness.ask(listener.address).info == {"v": 1, "round": 3}
+    finally:
+        listener.close()
+
+
+def test_asking_a_closed_listener_is_dead() -> None:
+    listener = liveness.Listener("127.0.0.1")
+    listener.close()
+    assert liveness.ask(listener.address, timeout=0.5).liveness is Liveness.DEAD
+
+
+def test_a_listener_that_closes_without_a_word_is_alive() -> None:
+    # An agent from before the answer line: accepted and closed is alive, as the probe says.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        answers: list[liveness.Answer] = []
+        asking = threading.Thread(target=lambda: answers.append(liveness.ask(address, 5.0)))
+        asking.start()
+        conn, _ = sock.accept()
+        conn.close()
+        asking.join(10)
+    assert answers == [liveness.Answer(Liveness.ALIVE)]
+
+
+def test_a_frozen_process_is_silent_although_its_kernel_accepts() -> None:
+    with listener_process() as (child, address):
+        assert liveness.ask(address) == liveness.Answer(Liveness.ALIVE, {"v": 1, "who": "child"})
+        stop(child.pid)
+        started = time.monotonic()
+        answer = liveness.ask(address, timeout=0.5)
+        elapsed = time.monotonic() - started
+        assert answer == liveness.Answer(Liveness.UNKNOWN)
+        assert elapsed < 3.0, f"ask took {elapsed:.2f}s with a 0.5s timeout"
+        # The point: a connect alone cannot tell, the frozen peer's kernel completes it.
+        assert liveness.probe(address) is Liveness.ALIVE
+        os.kill(child.pid, signal.SIGCONT)
+        assert liveness.ask(address, timeout=5.0).liveness is Liveness.ALIVE
+
+
+def test_the_watch_names_a_frozen_peer_silent_and_forgets_it_once_it_answers() -> None:
+    live = liveness.Listener("127.0.0.1")
+    with listener_process() as (child, address):
+        watch = liveness.PeerWatch({"frozen": address, "live": live.address})
+        try:
+            wait_until("both peers answered", lambda: watch.answer("frozen") is not None, 5)
+            assert watch.silent() == set()
+            stop(child.pid)
+            # The live one never: it is named alone.
+            wait_until("the frozen peer named silent", lambda: watch.silent() == {"frozen"}, 10)
+            assert watch.dead() == set(), "silent is not dead: its kernel still accepts"
+            os.kill(child.pid, signal.SIGCONT)
+            wait_until("the thawed peer un-named", lambda: not watch.silent(), 10)
+            assert watch.answer("live") == {"v": 1}
+            assert watch.answer("frozen") == {"v": 1, "who": "child"}
+        finally:
+            watch.close()
+            live.close()
+
+
+def test_the_watch_names_a_peer_that_refuses_at_once() -> None:
+    live = liveness.Listener("127.0.0.1")
+    with listener_process() as (child, address):
+        watch = liveness.PeerWatch({"gone": address, "live": live.address})
+        try:
+            wait_until("both peers answered", lambda: watch.answer("gone") is not None, 5)
+            child.kill()
+            child.wait(10)
+            # Refused is dead, not merely silent: nothing to wait the silence window for.
+            wait_until("the killed peer named dead", lambda: watch.dead() == {"gone"}, 10)
+            wait_until("the dead peer named silent", lambda: watch.silent() == {"gone"}, 10)
+        finally:
+            watch.close()
+            live.close()
+
+
+WATCHER_CHILD = """
+import signal, sys, time
+from ddpjob_worker import liveness
+
+watch = liveness.PeerWatch({"peer": sys.argv[1]})
+def say(tag):  # one write per line: the SIGCONT handler may run between two of print's
+    sys.stdout.write(f"{tag} {sorted(watch.silent())}\\n")
+    sys.stdout.flush()
+
+signal.signal(signal.SIGCONT, lambda *_: say("cont"))
+while True:
+    say("tick")
+    time.sleep(0.05)
+"""
+
+
+def test_a_watch_that_was_frozen_itself_does_not_take_its_live_peers_for_silent() -> None:
+    # The watching process is frozen for longer than the silence window while its peer answers
+    # all along. It asked nobody meanwhile: once it runs again it must judge from then on, never
+    # name the peer it could not ask (a pod waking from a stall would drop its live peers).
+    peer = liveness.Listener("127.0.0.1")
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", WATCHER_CHILD, peer.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert watcher.stdout is not None
+        lines: list[str] = []
+
+        def read(stream: IO[str]) -> None:
+            for line in stream:
+                lines.append(line)
+
+        threading.Thread(target=read, args=(watcher.stdout,), daemon=True).start()
+        wait_until("the watcher asking", lambda: len(lines) >= 10, 15)
+        stop(watcher.pid)
+        time.sleep(liveness.SILENT_AFTER_SECONDS + 1.0)
+        before = len(lines)
+        os.kill(watcher.pid, signal.SIGCONT)
+        wait_until("the watcher going on", lambda: len(lines) >= before + 10, 15)
+        assert any("cont" in line for line in lines[before:]), lines[before:]
+        named = [line for line in lines if "peer" in line]
+        assert not named, f"a live peer named silent by a watcher that was frozen: {named}"
+    finally:
+        watcher.kill()
+        watcher.wait(10)
+        peer.close()
