@@ -70,7 +70,7 @@ def test_the_successor_is_the_lowest_ranked_member_left() -> None:
 
 
 def test_the_newest_store_wins_and_foreign_or_torn_answers_are_skipped() -> None:
-    answers = [
+    answers: list[dict[str, object]] = [
         {"run": "r", "gen": 1, "store": "10.0.0.1:29400", "established": True},
         {"run": "r", "gen": 2, "store": "10.0.0.2:29400", "established": False},
         {"run": "other", "gen": 9, "store": "10.0.0.9:29400", "established": True},
@@ -81,7 +81,7 @@ def test_the_newest_store_wins_and_foreign_or_torn_answers_are_skipped() -> None
     ]
     assert best_store(answers, "r") == StoreAnswer(2, False, "10.0.0.2:29400")
     assert best_store(answers[2:], "r") is None
-    same_gen = [
+    same_gen: list[dict[str, object]] = [
         {"run": "r", "gen": 2, "store": "10.0.0.2:29400", "established": False},
         {"run": "r", "gen": 2, "store": "10.0.0.3:29400", "established": True},
     ]
