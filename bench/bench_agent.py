@@ -76,6 +76,7 @@ its first second (that is a start-up failure). It also lets ddpjob-agent's warm 
 3 s into a worker group, docs/agent.md) import torch; torchrun has nothing to use it for."""
 TIMEOUT = 120.0
 CAP_SECONDS = 60.0
+_cap = [CAP_SECONDS]  # --cap
 """The cap on the silent faults and on the store host lost for good: neither launcher recovered
 from them when these scenarios were written. A recovery within the DDPJob's timings (5 missed
 1 s heartbeats, then a 2 s last call) needs far less."""
@@ -249,7 +250,7 @@ def world_2_after(survivors: list[Node], since: float) -> float:
         "a step at world 2",
         lambda: all(steps_after(n, b + 1, world=2) for n, b in zip(survivors, before, strict=True)),
         nodes=survivors,
-        timeout=CAP_SECONDS,
+        timeout=_cap[0],
     )
     return done - since
 
@@ -445,7 +446,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{STALL_GAP[0]:g}-{STALL_GAP[1]:g} s",
     )
     parser.add_argument("--seed", type=int, default=0, help="the --stalls random seed")
+    parser.add_argument(
+        "--cap",
+        type=float,
+        default=CAP_SECONDS,
+        metavar="SECONDS",
+        help=f"how long the silent and no-replacement scenarios may take (default {CAP_SECONDS:g})",
+    )
     args_ = parser.parse_args(argv)
+    _cap[0] = args_.cap
     if args_.stalls and args_.soak is None:
         parser.error("--stalls needs --soak")
     load = start_load() if args_.loaded else []
