@@ -100,6 +100,21 @@ def test_env_contract_only_pod0_hosts_the_store() -> None:
     assert env0["DDPJOB_GRACE_SECONDS"] == "25"
 
 
+def test_every_pod_is_told_where_the_jobs_agents_answer() -> None:
+    """Store failover: each pod's agent answers on the rendezvous port + 1 at its own address,
+    and a newcomer asks the headless Service's name, which resolves to every pod."""
+    for index in (0, 3):
+        env = env_of(builders.build_pod(job(), index))
+        assert env["DDPJOB_DIRECTORY_PORT"] == "29401"
+        assert env["DDPJOB_RDZV_PEERS"] == "demo.ml.svc:29401"
+    high = job(rendezvous={"port": 65535})
+    assert env_of(builders.build_pod(high, 1))["DDPJOB_DIRECTORY_PORT"] == "65534"
+    local = builders.Network(rdzv_host="127.0.0.1", rdzv_port=40000, directory_base=41000)
+    env2 = env_of(builders.build_pod(job(), 2, local))
+    assert env2["DDPJOB_DIRECTORY_PORT"] == "41002"
+    assert env2["DDPJOB_RDZV_PEERS"] == ",".join(f"127.0.0.1:{41000 + i}" for i in range(4))
+
+
 def test_user_env_wins_and_is_not_duplicated() -> None:
     container = {
         "name": "trainer",
