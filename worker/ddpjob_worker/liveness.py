@@ -10,8 +10,8 @@ to every other member of the round it leaves:
 
 * accepted: :attr:`Liveness.ALIVE`. The kernel completes the handshake from the listen backlog,
   so a busy agent (or a machine with every core loaded) still answers at once;
-* refused, or no route to it: :attr:`Liveness.DEAD`. The address is up and nobody listens there
-  any more (the agent's process is gone), or the address itself is gone;
+* refused: :attr:`Liveness.DEAD`. The address is up and nobody listens there any more (the
+  agent's process is gone);
 * no answer within the timeout, or anything else: :attr:`Liveness.UNKNOWN`. The machine may be
   down, or a firewall may drop the packets while the peer is fine; only the heartbeats can
   tell, so nothing is decided on it.
@@ -47,7 +47,11 @@ logger = logging.getLogger("ddpjob_worker.liveness")
 
 PROBE_TIMEOUT_SECONDS = 1.0
 """How long a probe waits for the handshake before it gives up (the answer is then unknown)."""
-_GONE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
+_GONE_ERRNOS = {errno.ECONNREFUSED}
+"""Only a refusal proves the agent is gone: its machine answers and nobody listens. "No route"
+comes from a partition or a flapping network as well (a host on the same segment whose ARP
+entry lapsed), and a local errno says nothing of the peer: both are unknown, which the watch
+turns into "silent" after its window (a silent member still counts for a majority)."""
 ASK_INTERVAL_SECONDS = 0.25
 """How often :class:`PeerWatch` asks each watched peer."""
 ASK_TIMEOUT_SECONDS = 0.5
@@ -165,7 +169,7 @@ def ask(address: str, timeout: float = ASK_TIMEOUT_SECONDS) -> Answer:
     """Connect to a peer's listener and read its answer line, all within ``timeout``.
 
     An answer (or a close without one, from a listener that does not answer) is
-    :attr:`Liveness.ALIVE`; refused or no route is :attr:`Liveness.DEAD`; a handshake that
+    :attr:`Liveness.ALIVE`; refused is :attr:`Liveness.DEAD`; a handshake that
     completes with no answer in time (a frozen process, its kernel still accepting) or no
     handshake at all is :attr:`Liveness.UNKNOWN`: silent.
     """
@@ -278,7 +282,7 @@ class PeerWatch:
             return {node for node, heard in self._heard.items() if now - heard >= window}
 
     def dead(self) -> set[str]:
-        """Peers whose address refused or has no route at the last question."""
+        """Peers whose address refused at the last question (their agent is gone)."""
         with self._lock:
             return set(self._dead)
 
