@@ -22,8 +22,9 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ddpjob_worker.contract import AgentContract, agent_env
+from ddpjob_worker.contract import PET_LOCAL_ADDR, AgentContract, agent_env
 from ddpjob_worker.state import AgentState, read_state
+from tests.netns import Fabric
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
@@ -246,6 +247,10 @@ class Cluster:
     failover = True
     """Give nodes directory ports and peers, as the operator and the local runner do (store
     failover on); set False before starting nodes to run without."""
+    netns = False
+    """Run each node in a network namespace of its own (:class:`tests.netns.Fabric`), at its own
+    address, as pods are: then :meth:`cut` partitions a node for real. Set before starting
+    nodes."""
 
     def __init__(self, tmp: Path, *, min_nodes: int, max_nodes: int, **timing: int) -> None:
         self.tmp = tmp
@@ -270,13 +275,28 @@ class Cluster:
         }
         self.nodes: list[Node] = []
         self._launches = 0
+        self.fabric: Fabric | None = None
+
+    def host(self, index: int) -> str:
+        """Node ``index``'s address."""
+        return Fabric.address(index) if self.netns else "127.0.0.1"
+
+    def cut(self, index: int) -> None:
+        """Partition node ``index`` (needs :attr:`netns`): nothing it sends or is sent arrives."""
+        if self.fabric is None:
+            raise RuntimeError("a partition needs Cluster.netns = True before the nodes start")
+        self.fabric.cut(index)
+
+    def heal(self, index: int) -> None:
+        if self.fabric is not None:
+            self.fabric.heal(index)
 
     def contract(self, index: int) -> AgentContract:
         return AgentContract(
             job_name="itest",
             run_id=self.run_id,
             pod_index=index,
-            endpoint_host="127.0.0.1",
+            endpoint_host=self.host(0),
             port=self.port,
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
@@ -289,11 +309,17 @@ class Cluster:
             keep_alive_max_attempt=self.timing["keep_alive_max_attempt"],
             grace_seconds=self.timing["grace_seconds"],
             state_file=str(self.tmp / f"state-{index}-{self._launches}.json"),
-            directory_port=self.directory_base + index if self.failover else 0,
-            peers=tuple(f"127.0.0.1:{self.directory_base + i}" for i in range(self.max_nodes + 2))
+            directory_port=self._directory_port(index) if self.failover else 0,
+            peers=tuple(
+                f"{self.host(i)}:{self._directory_port(i)}" for i in range(self.max_nodes + 2)
+            )
             if self.failover
             else (),
         )
+
+    def _directory_port(self, index: int) -> int:
+        # A port space per node in namespaces (as pods have); one shared on 127.0.0.1.
+        return self.directory_base + (0 if self.netns else index)
 
     def start(
         self,
@@ -316,17 +342,25 @@ class Cluster:
             "DDPJOB_CKPT_DIR": str(self.ckpt_dir),
             "PYTHONUNBUFFERED": "1",
         }
+        if self.netns:
+            full[PET_LOCAL_ADDR] = self.host(index)
+            full["GLOO_SOCKET_IFNAME"] = "eth0"  # not the hostname's address (127.0.1.1)
         for key, value in (env or {}).items():
             if value is None:
                 full.pop(key, None)
             else:
                 full[key] = value
         launcher = ["-m", "torch.distributed.run"] if stock else ["-m", "ddpjob_worker.cli"]
+        argv = [sys.executable, *launcher, str(TRAIN), *train_args]
+        if self.netns:
+            if self.fabric is None:
+                self.fabric = Fabric()
+            argv = self.fabric.wrap(index, argv)
         log = self.tmp / f"node-{index}-{self._launches}.log"
         self._launches += 1
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, *launcher, str(TRAIN), *train_args],
+                argv,
                 env=full,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -359,6 +393,9 @@ class Cluster:
         for node in self.nodes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(timeout=10)
+        if self.fabric is not None:
+            self.fabric.close()
+            self.fabric = None
 
     def logs(self) -> str:
         return "\n".join(

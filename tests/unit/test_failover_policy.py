@@ -69,23 +69,26 @@ def test_the_successor_is_the_lowest_ranked_member_left() -> None:
         assert successor(dict(order), excluded={"a_1"}) == "b_2"
 
 
-def test_the_newest_store_wins_and_foreign_or_torn_answers_are_skipped() -> None:
+def test_an_established_store_wins_then_the_newest_and_torn_answers_are_skipped() -> None:
     answers: list[dict[str, object]] = [
-        {"run": "r", "gen": 1, "store": "10.0.0.1:29400", "established": True},
+        {"run": "r", "gen": 1, "store": "10.0.0.1:29400", "established": True, "host_at": "h:1"},
         {"run": "r", "gen": 2, "store": "10.0.0.2:29400", "established": False},
         {"run": "other", "gen": 9, "store": "10.0.0.9:29400", "established": True},
-        {"run": "r", "gen": "3", "store": "10.0.0.3:29400"},
-        {"run": "r", "gen": True, "store": "10.0.0.4:29400"},
-        {"run": "r", "gen": 5, "store": None},
+        {"run": "r", "gen": "3", "store": "10.0.0.3:29400", "established": True},
+        {"run": "r", "gen": True, "store": "10.0.0.4:29400", "established": True},
+        {"run": "r", "gen": 5, "store": None, "established": True},
         {},
     ]
-    assert best_store(answers, "r") == StoreAnswer(2, False, "10.0.0.2:29400")
+    # A forming store of a newer generation (a cut-off pod hosting on its own, the survivor of a
+    # 2-pod job) yields to an established one: a majority stood behind that.
+    assert best_store(answers, "r") == StoreAnswer(True, 1, "10.0.0.1:29400", "h:1")
+    assert best_store(answers[1:], "r") == StoreAnswer(False, 2, "10.0.0.2:29400")
     assert best_store(answers[2:], "r") is None
-    same_gen: list[dict[str, object]] = [
-        {"run": "r", "gen": 2, "store": "10.0.0.2:29400", "established": False},
-        {"run": "r", "gen": 2, "store": "10.0.0.3:29400", "established": True},
+    established: list[dict[str, object]] = [
+        {"run": "r", "gen": 2, "store": "10.0.0.2:29400", "established": True},
+        {"run": "r", "gen": 3, "store": "10.0.0.3:29400", "established": True},
     ]
-    assert best_store(same_gen, "r") == StoreAnswer(2, True, "10.0.0.3:29400")
+    assert best_store(established, "r") == StoreAnswer(True, 3, "10.0.0.3:29400")
 
 
 def test_failover_is_on_only_in_a_ddpjob_pod_that_knows_its_peers() -> None:

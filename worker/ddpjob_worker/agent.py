@@ -241,7 +241,14 @@ class DdpjobAgent(LocalElasticAgent):
             "store": None if orphan else self._store_address,
             "established": self._store_rounds > 0 and not orphan,
             "host": self._hosting and not orphan,
+            "host_at": None if orphan else self._host_at(),
         }
+
+    def _host_at(self) -> str | None:
+        """Where the host of the store we use answers."""
+        if self._hosting:
+            return None if self._liveness is None else self._liveness.address
+        return self._host_address
 
     # -- the monitor loop -------------------------------------------------------------------
 
@@ -919,6 +926,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._rdzv_handler = handler
         self._store_rounds = 0
         self._host_gone = self._host_silent = False
+        self._host_node = self._host_address = None  # known again once a round has formed
         self._fast = self._attach(handler)
         if self._fast is not None:
             self._fast.skip_join_jitter()
@@ -1080,8 +1088,9 @@ class DdpjobAgent(LocalElasticAgent):
         logger.info("joined the rendezvous store, generation %d, at %s", found.gen, found.store)
 
     def _check_superseded(self) -> None:
-        """While our join waits: if a member of the last round names a newer store (a newer
-        generation, or the same one established while ours is not), ours is superseded."""
+        """While our join waits: if a member of the last round names a better store
+        (:class:`ddpjob_worker.policy.StoreAnswer`'s order) whose host answers, ours is
+        superseded."""
         if not self._addresses:
             return
         me = ident(self._fast.node) if self._fast is not None else ""
@@ -1092,9 +1101,15 @@ class DdpjobAgent(LocalElasticAgent):
             if answer.info is not None and answer.info.get("store") != self._store_address
         ]
         found = best_store(answers, self._params.run_id)
-        if found is None:
+        if found is None or (found.established, found.gen) <= (self._store_rounds > 0, self._gen):
             return
-        if (found.gen, found.established) > (self._gen, self._store_rounds > 0):
+        # Only a store whose host answers as its host: never one that is lost (the answer may
+        # come from a peer that has not noticed yet).
+        if found.host_at is None:
+            return
+        host = liveness.ask(found.host_at)
+        info = host.info or {}
+        if info.get("host") and info.get("store") == found.store:
             raise SupersededError(found)
 
     def _old_host_silent(self, host: str, port: int) -> bool:

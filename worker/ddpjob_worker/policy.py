@@ -533,23 +533,28 @@ def successor(ranks: Mapping[str, int], *, excluded: Collection[str]) -> str | N
 
 @dataclasses.dataclass(frozen=True, order=True)
 class StoreAnswer:
-    """A store that a peer named (from its liveness answer): its generation first, so the
-    newest wins; an established one (it completed a round) before a forming one."""
+    """A store that a peer named (from its liveness answer). Ordered: an established store (it
+    completed a round, so a majority stood behind it) before a forming one, then the newest
+    generation. A forming store that has no majority (a cut-off pod that tried to host on its
+    own, the survivor of a 2-pod job) so yields to a live established one."""
 
-    gen: int
     established: bool
+    gen: int
     store: str
+    host_at: str | None = dataclasses.field(default=None, compare=False)
+    """Where the store's host answers (its liveness address), to check it is alive."""
 
 
 def best_store(answers: Iterable[Mapping[str, object]], run_id: str) -> StoreAnswer | None:
-    """The newest store of run ``run_id`` that the answers name, if any (malformed or foreign
+    """The best store of run ``run_id`` that the answers name, if any (malformed or foreign
     answers are skipped)."""
     found = []
     for info in answers:
-        gen, store = info.get("gen"), info.get("store")
+        gen, store, host_at = info.get("gen"), info.get("store"), info.get("host_at")
         if info.get("run") != run_id or not isinstance(store, str) or not store:
             continue
         if not isinstance(gen, int) or isinstance(gen, bool) or gen < 1:
             continue
-        found.append(StoreAnswer(gen, bool(info.get("established")), store))
+        at = host_at if isinstance(host_at, str) and host_at else None
+        found.append(StoreAnswer(bool(info.get("established")), gen, store, at))
     return max(found, default=None)
