@@ -132,9 +132,13 @@ def test_the_death_of_its_starter_takes_every_component_and_pod_along(tmp_path: 
         # Its addresses stay on lo (the kernel keeps them) until the next start releases them.
         assert f"inet 10.{octet}." in controlplane._ip("addr", "show", "dev", "lo").stdout
         assert held_back(octet)
+        # The nftables table a frozen node leaves (ControlPlane.freeze_node) goes with the range.
+        table = controlplane.nft_table(octet)
+        assert controlplane._nft("add", "table", "inet", table).returncode == 0
         assert octet in controlplane.release_abandoned_ranges()
         assert f"inet 10.{octet}." not in controlplane._ip("addr", "show", "dev", "lo").stdout
         assert not held_back(octet)
+        assert table not in controlplane._nft("list", "tables").stdout
         assert not (controlplane.ROUTES / str(octet)).exists()
     finally:
         if process.poll() is None:

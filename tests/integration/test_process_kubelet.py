@@ -10,9 +10,11 @@ that the real node lifecycle and taint eviction controllers handle by themselves
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.kube.fixtures import KubeTest, wait_for
@@ -346,3 +348,58 @@ def resolve(kube: KubeTest, name: str) -> list[str]:
 
     answer = DNSRecord.parse(DNSRecord.question(name).send(kube.cluster.dns_ip, 53, timeout=2))
     return sorted(str(record.rdata) for record in answer.rr)
+
+
+def test_a_frozen_node_is_silent_and_its_kubelet_kills_what_was_deleted_meanwhile(
+    kube: KubeTest,
+) -> None:
+    """A frozen node (``ControlPlane.freeze_node``): its processes stopped, its addresses
+    silent (a connect times out, no reset). Its pod is force-deleted meanwhile, as the
+    operator does to a lost node's pods; when the node comes back, its pod's processes run
+    again for a moment, and the kubelet must kill them: the API no longer has the pod (a
+    real kubelet kills every pod outside its desired set)."""
+    victim = kube.spare_node()
+    ticker = "while true; do echo tick; sleep 0.1; done"
+    created = create(kube, pod("frozen", "sh", "-c", ticker, nodeName=victim))
+    uid = created["metadata"]["uid"]
+    running = phase(kube, "frozen", "Running")
+    node_ip = (kube.get(f"/api/v1/nodes/{victim}") or {})["status"]["addresses"][0]["address"]
+    with socket.create_connection((node_ip, 10250), timeout=5):
+        pass  # the kubelet's log server answers before the freeze
+    log = kube.cluster.container_log(victim, uid, "main")
+    wait_for(lambda: log.exists() and log.stat().st_size > 0, "the ticker's first line")
+
+    stopped = kube.freeze_node(victim)
+    pods = [psutil.Process(pid) for pid in stopped[1:]]
+    assert pods, "the pod's processes were not found in the node's PID namespace"
+    assert all(p.status() == psutil.STATUS_STOPPED for p in [psutil.Process(stopped[0]), *pods])
+    for address in (node_ip, running["status"]["podIP"]):
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            socket.create_connection((address, 10250), timeout=2).close()
+        assert time.monotonic() - began >= 1.9, f"{address}: refused or reset, not silent"
+    size = log.stat().st_size
+    time.sleep(1)
+    assert log.stat().st_size == size, "the frozen pod went on writing"
+
+    kube.api.delete(f"/api/v1/namespaces/{kube.namespace}/pods/frozen", {"gracePeriodSeconds": 0})
+    wait_for(lambda: get(kube, "frozen") is None, "the pod force-deleted", timeout=30)
+    time.sleep(5)  # the kubelet's watch is days old, as far as it can tell
+
+    healed = time.monotonic()
+    kube.heal_node(victim, wait=False)
+    wait_for(
+        lambda: not [p for p in pods if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+        "the deleted pod's processes killed by the returning kubelet",
+        timeout=30,
+    )
+    killed = time.monotonic() - healed
+    print(f"the deleted pod's processes were killed {killed:.2f}s after the node came back")
+    kubelet_log = kube.cluster.components[victim].log_path
+    forgot = f"forgot {kube.namespace}/frozen ({uid})"
+    wait_for(lambda: forgot in kubelet_log.read_text(), "the kubelet to forget the pod")
+    said = kubelet_log.read_text()
+    assert "the sync loop stalled" in said and "listing the pods again" in said, said[-2000:]
+    assert f"killing {kube.namespace}/frozen ({uid}): the API no longer has it" in said
+    with socket.create_connection((node_ip, 10250), timeout=5):
+        pass  # its addresses answer again

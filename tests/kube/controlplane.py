@@ -17,6 +17,9 @@
 * **N process kubelets** (:mod:`tests.kube.kubelet`), ``node-1`` ... ``node-N``, each as PID 1
   of a PID namespace of its own: :meth:`lose_node` SIGKILLs one, and the kernel kills every
   process of its pods with it. Its heartbeats stop; nothing else is done for the controllers.
+  :meth:`freeze_node` loses one silently instead: every process of its PID namespace stopped
+  (SIGSTOP) and every packet to or from its addresses dropped (nftables), so its peers see
+  neither an answer nor a reset; :meth:`heal_node` brings it back as it was.
 
 Pod addresses are in ``10.<c>.0.0/16``, each a /32 on ``lo`` (local to this machine like
 loopback's, reachable from nowhere else; gloo needs its address on an interface). They cannot be
@@ -40,6 +43,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,6 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
 import requests
 import yaml
 
@@ -111,6 +116,39 @@ def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
 
 
+NFT_PACKAGE = "nftables"
+"""The Debian package of ``nft``, which :meth:`ControlPlane.freeze_node` drops packets with."""
+
+
+def nft_table(octet: int) -> str:
+    """The ``inet`` table of the cluster of pod range ``10.<octet>.0.0/16``: its set ``frozen``
+    holds the pod CIDRs of its frozen nodes, and its ``input`` chain drops every packet from or
+    to them. Removed with the range (:func:`_release_pod_range`)."""
+    return f"ddpjob-kube-{octet}"
+
+
+def _nft_command() -> str | None:
+    return shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
+
+
+def _nft(*args: str, script: str | None = None) -> subprocess.CompletedProcess[str]:
+    command = _nft_command()
+    if command is None:
+        raise ControlPlaneError(
+            "freezing a node drops its packets with nftables, and `nft` is not installed: "
+            f"install Debian's {NFT_PACKAGE} package (apt-get install -y {NFT_PACKAGE}); "
+            ".ci/run does"
+        )
+    argv = [command, *(("-f", "-") if script is not None else args)]
+    return subprocess.run(argv, input=script, capture_output=True, text=True, check=False)
+
+
+def _nft_drop_table(octet: int) -> None:
+    """Remove the cluster's table, if there is one (and nft, without which there is none)."""
+    if _nft_command() is not None:
+        _nft("delete", "table", "inet", nft_table(octet))
+
+
 def _claim_pod_range() -> int:
     """A second octet ``c`` for the pods' ``10.<c>.0.0/16`` that overlaps no route of this
     machine; its addresses will be /32s on ``lo`` (local to this machine like loopback's,
@@ -160,9 +198,11 @@ def release_abandoned_ranges() -> list[int]:
 
 
 def _release_pod_range(octet: int) -> None:
-    """The cluster's addresses and its kubelets' cgroups (its nodes are dead by now)."""
+    """The cluster's addresses, its nftables table and its kubelets' cgroups (its nodes are
+    dead by now)."""
     _ip("addr", "flush", "dev", INTERFACE, "to", f"10.{octet}.0.0/16")
     _ip("route", "del", "blackhole", f"10.{octet}.0.0/16")
+    _nft_drop_table(octet)
     mine = runtime.Cgroups.named("")
     if mine is not None:
         for path in mine.root.glob(f"ddpjob-kube-{octet}-*"):
@@ -200,6 +240,9 @@ class ControlPlane:
     api_port: int = 0
     bin_dir: Path = dataclasses.field(default_factory=Path)
     pki: pki.Pki | None = None
+    frozen: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """Frozen node -> the pids (this machine's) stopped when it froze, its kubelet first."""
+    nft_ready: bool = False
     before_controllers: Callable[[ControlPlane], None] | None = None
     """Runs once the API server is up and before the controllers start: CRDs installed then
     are known to the garbage collector from its start (it picks up new kinds only every 30 s,
@@ -530,12 +573,14 @@ class ControlPlane:
 
     def revive_node(self, name: str) -> None:
         """A lost node comes back: a new kubelet for it (its processes are gone), Ready again."""
-        index = int(name.rsplit("-", 1)[1]) - 1
+        self._let_through(name)
+        index = self._index(name)
         self._start_node(index)
         self._wait_nodes([name])
 
     def remove_node(self, name: str) -> None:
         """The node is gone for good: its kubelet (if any) and its Node object."""
+        self._let_through(name)
         component = self.components.pop(name, None)
         if component is not None and component.alive():
             component.process.kill()
@@ -549,6 +594,98 @@ class ControlPlane:
         component = self.components[name]
         component.process.send_signal(signal.SIGKILL)
         component.process.wait(timeout=30)
+
+    def freeze_node(self, name: str) -> list[int]:
+        """The node is lost silently (a machine hung, or cut off without a reset): every
+        packet from or to its addresses (its node address and pod CIDR) is dropped, then every
+        process of its PID namespace is stopped (SIGSTOP), its kubelet first. Its peers'
+        connects and requests time out; nothing answers, nothing resets. The controllers and
+        the operator see what :meth:`lose_node` shows them (the heartbeats stop).
+
+        Returns the pids stopped (this machine's), the kubelet's first. A connection a frozen
+        pod opened to a live pod from an unbound socket has the live pod's address at both
+        ends (the kernel picks the destination, a local address, as the source): its packets
+        are not dropped, and the kernel (which the frozen node shares with the live ones)
+        still acknowledges them, though nothing on the frozen side reads or writes. Needs ``nft``
+        (:data:`NFT_PACKAGE`): without it this fails with the package to install."""
+        if name in self.frozen:
+            raise ControlPlaneError(f"{name} is already frozen")
+        kubelet = self._kubelet(name)
+        self._drop_packets(name)
+        self.frozen[name] = [kubelet.pid]
+        try:
+            self.frozen[name] = _stop_namespace(kubelet)
+        except BaseException:
+            self.heal_node(name, wait=False)
+            raise
+        return list(self.frozen[name])
+
+    def heal_node(self, name: str, *, wait: bool = True) -> None:
+        """A frozen node comes back as it was: its packets pass again, then every process of
+        its PID namespace continues (SIGCONT), its kubelet first. With ``wait``, returns once
+        the node is Ready and untainted again (its kubelet's next heartbeats)."""
+        self.frozen.pop(name, None)
+        self._let_through(name)
+        component = self.components.get(name)
+        if component is not None and component.alive():
+            kubelet = self._kubelet(name)
+            for process in [kubelet, *_namespace_members(kubelet)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.send_signal(signal.SIGCONT)
+            if wait:
+                self._wait_nodes([name])
+
+    def node_addresses(self, name: str) -> str:
+        """The node's address range: its pod CIDR, which holds its node address (``.1``)."""
+        return self.pod_cidr(self._index(name))
+
+    def container_log(self, node: str, uid: str, container: str, restart: int = 0) -> Path:
+        """Where the node's kubelet writes a container's log (gone once it forgets the pod)."""
+        return self.workdir / "nodes" / node / "pods" / uid / "logs" / container / f"{restart}.log"
+
+    def _index(self, name: str) -> int:
+        return int(name.rsplit("-", 1)[1]) - 1
+
+    def _kubelet(self, name: str) -> psutil.Process:
+        """The node's kubelet: the child of its ``unshare``, PID 1 of the node's namespace."""
+        component = self.components[name]
+        if not component.alive():
+            raise ControlPlaneError(f"{name}'s kubelet is not running (a lost node?)")
+        children = psutil.Process(component.process.pid).children()
+        if len(children) != 1:
+            raise ControlPlaneError(f"{name}: unshare has {len(children)} children, not 1")
+        return children[0]
+
+    def _drop_packets(self, name: str) -> None:
+        if not self.nft_ready:
+            table = nft_table(self.octet)
+            created = _nft(
+                script=(
+                    f"table inet {table} {{\n"
+                    "  set frozen { type ipv4_addr; flags interval; }\n"
+                    # Input, not output: a packet between two addresses on lo goes out and
+                    # comes back in; dropped on its way in, it is lost as on a wire (a drop on
+                    # the way out tells a UDP sender EPERM).
+                    "  chain input {\n"
+                    "    type filter hook input priority filter; policy accept;\n"
+                    "    ip saddr @frozen drop\n"
+                    "    ip daddr @frozen drop\n"
+                    "  }\n"
+                    "}\n"
+                )
+            )
+            if created.returncode != 0:
+                raise ControlPlaneError(f"nft: cannot make table {table}: {created.stderr.strip()}")
+            self.nft_ready = True
+        cidr = self.node_addresses(name)
+        added = _nft("add", "element", "inet", nft_table(self.octet), "frozen", f"{{ {cidr} }}")
+        if added.returncode != 0:
+            raise ControlPlaneError(f"nft: cannot drop {cidr}: {added.stderr.strip()}")
+
+    def _let_through(self, name: str) -> None:
+        if self.nft_ready:
+            cidr = self.node_addresses(name)
+            _nft("delete", "element", "inet", nft_table(self.octet), "frozen", f"{{ {cidr} }}")
 
     def node_of(self, namespace: str, pod: str) -> str:
         body = self.admin().get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
@@ -564,7 +701,10 @@ class ControlPlane:
         return "\n".join(parts)
 
     def stop(self) -> None:
-        """Nodes first (their pods die with them), then the controllers, the API server, etcd."""
+        """Nodes first (their pods die with them; frozen ones are healed first, so that their
+        kubelets stop as the others do), then the controllers, the API server, etcd."""
+        for name in list(self.frozen):
+            self.heal_node(name, wait=False)
         order = [n for n in self.components if n.startswith("node-")]
         order += [
             n for n in ("dns", "kube-scheduler", "kube-controller-manager") if n in self.components
@@ -588,6 +728,53 @@ class ControlPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+FREEZE_PASS_SECONDS = 0.01
+FREEZE_TIMEOUT = 10.0
+
+
+def _namespace_members(kubelet: psutil.Process) -> list[psutil.Process]:
+    """Every process of the PID namespace whose PID 1 is ``kubelet``, but the kubelet (every
+    process of the node's pods, orphans re-parented to the kubelet included)."""
+    namespace = os.readlink(f"/proc/{kubelet.pid}/ns/pid")
+    members = []
+    for process in psutil.process_iter():
+        if process.pid == kubelet.pid:
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{process.pid}/ns/pid") == namespace:
+                members.append(process)
+    return members
+
+
+def _stop_namespace(kubelet: psutil.Process) -> list[int]:
+    """SIGSTOP the kubelet, then every process of its PID namespace, until a walk finds all of
+    them stopped: a process forked while a walk ran is caught by the next (a stopped process
+    forks no more). Returns their pids, the kubelet's first."""
+    stopped = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP}
+    seen = [kubelet.pid]
+    deadline = time.monotonic() + FREEZE_TIMEOUT
+    while True:
+        running = []
+        for process in [kubelet, *_namespace_members(kubelet)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                state = process.status()
+                if process.pid not in seen:
+                    seen.append(process.pid)
+                if state not in stopped and state != psutil.STATUS_ZOMBIE:
+                    running.append(process)
+        if not running:
+            return seen
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(
+                f"could not stop {[p.pid for p in running]} within {FREEZE_TIMEOUT:g}s "
+                "(a process in uninterruptible sleep?)"
+            )
+        for process in running:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGSTOP)
+        time.sleep(FREEZE_PASS_SECONDS)
 
 
 @contextlib.contextmanager

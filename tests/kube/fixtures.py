@@ -183,6 +183,8 @@ class KubeTest:
     """More namespaces the test made (deleted with its own)."""
     spares: list[str] = dataclasses.field(default_factory=list)
     lost: list[str] = dataclasses.field(default_factory=list)
+    frozen: list[str] = dataclasses.field(default_factory=list)
+    cordoned: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.api = self.cluster.admin()
@@ -245,7 +247,29 @@ class KubeTest:
         self.cluster.lose_node(name)
         self.lost.append(name)
 
+    def freeze_node(self, name: str) -> list[int]:
+        """:meth:`ControlPlane.freeze_node`; the node is healed after the test if it is not
+        before. Returns the pids it stopped (the kubelet's first)."""
+        self.frozen.append(name)
+        return self.cluster.freeze_node(name)
+
+    def heal_node(self, name: str, *, wait: bool = True) -> None:
+        """:meth:`ControlPlane.heal_node` (with ``wait``: back, Ready and untainted when this
+        returns)."""
+        self.frozen.remove(name)
+        self.cluster.heal_node(name, wait=wait)
+
+    def cordon(self, name: str) -> None:
+        """``kubectl cordon``: no new pod is scheduled there (until the test ends)."""
+        self.api.patch(f"/api/v1/nodes/{name}", {"spec": {"unschedulable": True}})
+        self.cordoned.append(name)
+
     def restore_nodes(self) -> None:
+        for name in self.cordoned:
+            self.api.patch(f"/api/v1/nodes/{name}", {"spec": {"unschedulable": None}})
+        for name in self.frozen:
+            if name in self.cluster.frozen:
+                self.cluster.heal_node(name)
         for name in self.spares:
             self.cluster.remove_node(name)
         for name in self.lost:

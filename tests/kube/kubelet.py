@@ -26,6 +26,9 @@ kubelets:
 * on a graceful deletion: SIGTERM, the grace period, SIGKILL, the final status, then its own
   ``DELETE`` with ``gracePeriodSeconds: 0`` and a uid precondition, so a pod with finalizers
   stays until they are removed; a pod deleted from the API meanwhile is killed at once;
+* kills the pods the API no longer has (SIGTERM, then SIGKILL a second later), as a kubelet
+  kills every pod outside its desired set; after a stall (its node frozen, say), it lists its
+  pods again before it syncs any, so a pod force-deleted meanwhile is killed at once;
 * serves ``/containerLogs`` on its node address, so ``kubectl logs`` works through the API
   server; emits the Events ``kubectl describe pod`` shows.
 
@@ -86,6 +89,12 @@ RESYNC_SECONDS = 5.0
 """How often the API's copy of a pod's status is compared with ours."""
 """Without a cgroup, how often a running container's process tree is walked (to remember the
 processes to kill if its root dies first)."""
+STALL_SECONDS = 3.0
+"""A pass of the sync loop this long after the one before: the kubelet was stopped (its node
+frozen) or starved. It lists its pods again before it syncs any: the API server may have
+force-deleted some meanwhile, and those must be killed now, whatever its watch still holds."""
+GONE_GRACE = 1.0
+"""The grace period of a pod the API no longer has (deleted with a grace period of 0)."""
 BACKOFF_START = 10.0
 BACKOFF_MAX = 300.0
 VOLUME_RETRY = 5.0
@@ -236,6 +245,9 @@ class Pod:
     transitions: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     deleting: bool = False
     gone: bool = False
+    """The API no longer has it."""
+    killed: bool = False
+    """Its containers were stopped because it is gone."""
     confirmed: bool = False
     written: JSON | None = None
     failed_init: bool = False
@@ -373,6 +385,9 @@ class Kubelet:
         self.cgroups = runtime.Cgroups.find(config.cgroup)
         self.pods: dict[str, Pod] = {}
         self.seen: dict[str, JSON] = {}
+        self.deleted: set[str] = set()
+        """The uids of pods the API no longer has: an event a stale watch still delivers for
+        one of them must not bring it back (a uid is never reused)."""
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stop = threading.Event()
@@ -526,7 +541,11 @@ class Kubelet:
 
         def listed(items: list[JSON]) -> None:
             with self.lock:
-                self.seen = {p["metadata"]["uid"]: p for p in items}
+                self.seen = {
+                    p["metadata"]["uid"]: p
+                    for p in items
+                    if p["metadata"]["uid"] not in self.deleted
+                }
             self.wake.set()
 
         def event(kind: str, pod: JSON) -> None:
@@ -534,7 +553,8 @@ class Kubelet:
             with self.lock:
                 if kind == "DELETED":
                     self.seen.pop(uid, None)
-                else:
+                    self.deleted.add(uid)
+                elif uid not in self.deleted:
                     self.seen[uid] = pod
             self.wake.set()
 
@@ -553,9 +573,20 @@ class Kubelet:
         self.register()
         for target in (self.heartbeat, self.watch_pods, self.serve_logs):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
+        last_pass = time.monotonic()
+        relist = False
         while not self.stop.is_set():
             self.wake.wait(TICK)
             self.wake.clear()
+            now = time.monotonic()
+            if now - last_pass > STALL_SECONDS:
+                log.warning(
+                    "the sync loop stalled for %.1fs: listing the pods again", now - last_pass
+                )
+                relist = True
+            last_pass = now
+            if relist:
+                relist = not self.relist()
             with self.lock:
                 seen = dict(self.seen)
             for uid, body in seen.items():
@@ -572,6 +603,26 @@ class Kubelet:
                 except Exception:
                     log.exception("syncing pod %s/%s", pod.namespace, pod.name)
             self.reap_zombies()
+
+    def relist(self) -> bool:
+        """List the pods bound here (the watch may be far behind): every pod known before the
+        list that it lacks is gone from the API, and is killed in this pass. False when the
+        API did not answer (the next pass tries again)."""
+        with self.lock:
+            known = set(self.seen)
+        try:
+            listed = self.api.get("/api/v1/pods", fieldSelector=f"spec.nodeName={self.config.node}")
+        except (ApiError, requests.RequestException) as exc:
+            log.warning("listing the pods again: %s", exc)
+            return False
+        gone = known - {p["metadata"]["uid"] for p in listed.get("items") or []}
+        with self.lock:
+            self.deleted |= gone
+            for uid in gone:
+                self.seen.pop(uid, None)
+        if gone:
+            log.warning("pods deleted while the kubelet stalled: %s", ", ".join(sorted(gone)))
+        return True
 
     def reap_zombies(self) -> None:
         """As PID 1 of the node, wait for the orphans re-parented to us once they exit.
@@ -636,11 +687,21 @@ class Kubelet:
     def sync(self, pod: Pod) -> None:
         now = time.monotonic()
         meta = pod.api.get("metadata", {})
-        if pod.gone and not pod.deleting:
-            pod.deleting = True
+        if pod.gone and not pod.killed:
+            # Outside the desired set: killed with a grace period of 1 s, as a kubelet kills
+            # such pods; one that was stopping gracefully has at most 1 s of its grace left.
+            pod.deleting = pod.killed = True
+            log.info(
+                "killing %s/%s (%s): the API no longer has it", pod.namespace, pod.name, pod.uid
+            )
             for c in pod.all():
-                if c.proc is not None:
-                    c.proc.stop(now, 1.0)
+                if c.proc is None:
+                    continue
+                c.proc.stop(now, GONE_GRACE)
+                assert c.proc.stopping_since is not None
+                left = c.proc.stopping_since + c.proc.grace_seconds - now
+                if left > GONE_GRACE:
+                    c.proc.grace_seconds -= left - GONE_GRACE
         if meta.get("deletionTimestamp") and not pod.deleting:
             pod.deleting = True
             running = [c for c in pod.all() if c.running]
