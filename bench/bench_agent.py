@@ -22,6 +22,9 @@ polling the training script's log lines every 20 ms:
   world 2 on both survivors;
 * ``master freeze``: 3 nodes (2:3), the same on the store host: freeze -> a step at world 2 on
   nodes 1 and 2;
+* ``node partition`` / ``master partition``: 3 nodes (2:3), each in a network namespace of its
+  own (``tests.netns``, needs root); node 1's, or the store host's, link to the others goes
+  down (a partition: packets dropped, no reset): cut -> a step at world 2 on the two others;
 * ``master loss, no replacement``: 3 nodes (2:3), SIGKILL the store host's whole tree and do
   not start it again: kill -> a step at world 2 on nodes 1 and 2;
 * ``host handover``: 3 nodes (2:3), SIGTERM the store host's agent and do not start it again:
@@ -35,8 +38,8 @@ process per core for the whole run, as a node whose CPUs the data loaders keep b
 
 A run that does not recover is shown as ``failed`` when a node it waits on exits, and as
 ``timeout`` when nothing happens before the scenario's cap: :data:`TIMEOUT`, or
-:data:`CAP_SECONDS` for the last four above, which neither launcher recovered from when they were
-written. Frozen nodes are killed at the end of each run, and each run checks that nothing it
+:data:`CAP_SECONDS` (``--cap``) for the six silent and no-replacement ones above, which
+neither launcher recovered from when they were written. Frozen nodes are killed at the end of each run, and each run checks that nothing it
 started is left.
 
 Usage: ``python bench/bench_agent.py [--runs 5] [--scenario NAME ...] [--loaded]``, e.g.
@@ -271,6 +274,24 @@ def master_freeze(cluster: Cluster, stock: bool) -> float:
     return world_2_after(nodes[1:], frozen)
 
 
+def node_partition(cluster: Cluster, stock: bool) -> float:
+    cluster.netns = True  # each node in a network namespace of its own: a real cut
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    training(nodes)
+    cut = time.monotonic()
+    cluster.cut(1)
+    return world_2_after([nodes[0], nodes[2]], cut)
+
+
+def master_partition(cluster: Cluster, stock: bool) -> float:
+    cluster.netns = True
+    nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
+    training(nodes)
+    cut = time.monotonic()
+    cluster.cut(0)
+    return world_2_after(nodes[1:], cut)
+
+
 def master_loss_no_replacement(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
     training(nodes)
@@ -382,6 +403,8 @@ SCENARIOS: dict[str, tuple[Callable[[Cluster, bool], float], dict[str, int], str
     "host drain": (host_drain, {"min_nodes": 2, "max_nodes": 3}, "s"),
     "node freeze": (node_freeze, {"min_nodes": 2, "max_nodes": 3}, "s"),
     "master freeze": (master_freeze, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "node partition": (node_partition, {"min_nodes": 2, "max_nodes": 3}, "s"),
+    "master partition": (master_partition, {"min_nodes": 2, "max_nodes": 3}, "s"),
     "master loss, no replacement": (
         master_loss_no_replacement,
         {"min_nodes": 2, "max_nodes": 3},
