@@ -39,8 +39,8 @@ process per core for the whole run, as a node whose CPUs the data loaders keep b
 A run that does not recover is shown as ``failed`` when a node it waits on exits, and as
 ``timeout`` when nothing happens before the scenario's cap: :data:`TIMEOUT`, or
 :data:`CAP_SECONDS` (``--cap``) for the six silent and no-replacement ones above, which
-neither launcher recovered from when they were written. Frozen nodes are killed at the end of each run, and each run checks that nothing it
-started is left.
+neither launcher recovered from when they were written. Frozen nodes are killed at the end of
+each run, and each run checks that nothing it started is left.
 
 Usage: ``python bench/bench_agent.py [--runs 5] [--scenario NAME ...] [--loaded]``, e.g.
 ``--scenario "node freeze"``. Prints a markdown table with the ratio of medians.
