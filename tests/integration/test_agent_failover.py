@@ -111,13 +111,13 @@ def three(make_cluster: MakeCluster) -> Iterator[tuple[Cluster, list[Node], Stam
     stamped.stop()
 
 
-def every_step_once(stamped: Stamped) -> None:
+def every_step_once(stamped: Stamped, steps: int = STEPS) -> None:
     """The e2e suite's replay (``lineage_problems``) over rank 0's runs on every node."""
     stamped.stop()
     runs = []
     for key, lines in stamped.lines.items():
         runs += rank0_runs(PodLog(f"node-{key}", str(key), lines))
-    problems = lineage_problems(runs, STEPS, CKPT_EVERY)
+    problems = lineage_problems(runs, steps, CKPT_EVERY)
     summary = "\n".join(str(run) for run in sorted(runs, key=lambda run: run.began))
     assert not problems, "not every step done once:\n  " + "\n  ".join(problems) + f"\n{summary}"
 
@@ -247,3 +247,32 @@ def test_a_two_pod_job_cannot_tell_a_silent_host_from_a_partition(
     for node in nodes:
         worlds = {int(m[3]) for line in node.lines() if (m := STEP_RE.match(line))}
         assert worlds == {2}, (node.index, worlds)
+
+
+def test_a_cut_off_store_host_never_trains_alone_and_rejoins_when_healed(
+    make_cluster: MakeCluster,
+) -> None:
+    """A real partition (each node in a network namespace of its own; pod 0's link goes down):
+    with ``minReplicas: 1`` the cut-off host could train alone at world 1 while the others train
+    at world 2. The majority rule forbids it: only the side with 2 of the 3 trains. Healed, the
+    old host finds generation 2, steps down and rejoins."""
+    cluster = make_cluster(min_nodes=1, max_nodes=3, **TIMING)
+    cluster.netns = True
+    steps = 800  # the others must still train when the partition heals
+    nodes = [cluster.start(i, train_args(steps)) for i in range(3)]
+    stamped = Stamped(cluster)
+    for node in nodes:
+        wait_until(f"world 3 on node {node.index}", stepping_at(node, 3), 120)
+    old, survivors = nodes[0], nodes[1:]
+    cluster.cut(0)
+    carried_on(cluster, survivors)
+    wait_until("the cut-off host waits for a majority", lambda: "majority" in old.text(), 30)
+    time.sleep(3)  # time enough to train at world 1, if it could
+    cluster.heal(0)
+    wait_until("the old host steps down", lambda: STEPPED_DOWN in old.text(), 60)
+    runs = resumed(old)
+    wait_until("the old host at world 3", stepping_at(old, 3, after=runs - 1), 90)
+    worlds = {int(m[3]) for line in old.lines() if (m := STEP_RE.match(line))}
+    assert worlds == {3}, f"the cut-off host trained at worlds {sorted(worlds)}"
+    finish_ok(cluster, nodes, 180)
+    every_step_once(stamped, steps)
