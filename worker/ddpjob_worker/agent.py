@@ -120,6 +120,9 @@ that many peers) and the store's host, which keeps the questions per agent const
 WATCH_NEIGHBOURS = 8
 END_HANDOVER = "handover"
 """The store's host leaves on SIGTERM: the others carry on around a new host at once."""
+FIND_STORE_SECONDS = 5.0
+"""How long a replacement pod 0 waits for the others to name a store other than the one of the
+pod it replaces, before it hosts its endpoint itself."""
 LEAVE_BOUND_SECONDS = 1.5
 """How long leaving the rendezvous may hold up a SIGTERM on its way to the workers (a store
 host that does not answer would otherwise hold it up forever)."""
@@ -1106,11 +1109,19 @@ class DdpjobAgent(LocalElasticAgent):
         # Only a store whose host answers as its host: never one that is lost (the answer may
         # come from a peer that has not noticed yet).
         if found.host_at is None:
+            logger.info("generation %d at %s is named, but not its host", found.gen, found.store)
             return
         host = liveness.ask(found.host_at)
         info = host.info or {}
         if info.get("host") and info.get("store") == found.store:
             raise SupersededError(found)
+        logger.info(
+            "generation %d at %s is named, but its host at %s does not answer as its host (%s)",
+            found.gen,
+            found.store,
+            found.host_at,
+            host.liveness.value,
+        )
 
     def _old_host_silent(self, host: str, port: int) -> bool:
         """Whether the endpoint still leads to the store host we lost and that host is silent
@@ -1423,21 +1434,34 @@ def _find_store(
     """Ask the job's agents (``DDPJOB_RDZV_PEERS``) which store carries the job now:
     ``(params, generation, we host it)``. A replacement pod 0, or a pod added by a scale-up,
     joins the store the others moved to after losing pod 0; nobody answering (the job's
-    start) leaves the configured endpoint, hosted by pod 0 as generation 1."""
-    answers = _ask_peers(settings.peers)
-    found = best_store(answers, params.run_id)
+    start) leaves the configured endpoint, hosted by pod 0 as generation 1.
+
+    Pod 0 named as the host of generation 1 at its own endpoint is the pod it replaces, which
+    is gone: the others are about to carry on around a new host, so it asks again for a few
+    seconds before it hosts the endpoint itself. A later generation at that endpoint is
+    another pod's store (under ``ddpjob run`` every pod's address is 127.0.0.1): it joins it.
+    """
     hosting = bool(settings.is_host)
-    if found is None or (hosting and found.store == params.endpoint):
-        gens = [
-            info["gen"]
-            for info in answers
-            if info.get("run") == params.run_id and isinstance(info.get("gen"), int)
-        ]
-        return params, (max(gens) + 1 if gens and hosting else 1), hosting
-    logger.info(
-        "the job's pods name generation %d of its store at %s: joining it", found.gen, found.store
-    )
-    return _store_params(params, found.store, is_host=False), found.gen, False
+    deadline = time.monotonic() + FIND_STORE_SECONDS
+    while True:
+        answers = _ask_peers(settings.peers)
+        found = best_store(answers, params.run_id)
+        mine = found is not None and found.store == params.endpoint and found.gen <= 1
+        if found is not None and not (hosting and mine):
+            logger.info(
+                "the job's pods name generation %d of its store at %s: joining it",
+                found.gen,
+                found.store,
+            )
+            return _store_params(params, found.store, is_host=False), found.gen, False
+        if found is None or time.monotonic() >= deadline:
+            gens = [
+                info["gen"]
+                for info in answers
+                if info.get("run") == params.run_id and isinstance(info.get("gen"), int)
+            ]
+            return params, (max(gens) + 1 if gens and hosting else 1), hosting
+        time.sleep(0.2)
 
 
 def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
