@@ -1091,9 +1091,11 @@ class DdpjobAgent(LocalElasticAgent):
         logger.info("joined the rendezvous store, generation %d, at %s", found.gen, found.store)
 
     def _check_superseded(self) -> None:
-        """While our join waits: if a member of the last round names a better store
-        (:class:`ddpjob_worker.policy.StoreAnswer`'s order) whose host answers, ours is
-        superseded."""
+        """While our join waits: if the last round's members name a better store
+        (:class:`ddpjob_worker.policy.StoreAnswer`'s order), ours is superseded, provided the
+        store is alive: its host answers as its host, or a majority of the last round's members
+        name it. Never a store that is lost, as a peer that has not noticed yet may still name
+        it (alone)."""
         if not self._addresses:
             return
         me = ident(self._fast.node) if self._fast is not None else ""
@@ -1103,25 +1105,28 @@ class DdpjobAgent(LocalElasticAgent):
             for answer in liveness.ask_all(peers).values()
             if answer.info is not None and answer.info.get("store") != self._store_address
         ]
-        found = best_store(answers, self._params.run_id)
-        if found is None or (found.established, found.gen) <= (self._store_rounds > 0, self._gen):
-            return
-        # Only a store whose host answers as its host: never one that is lost (the answer may
-        # come from a peer that has not noticed yet).
-        if found.host_at is None:
-            logger.info("generation %d at %s is named, but not its host", found.gen, found.store)
-            return
-        host = liveness.ask(found.host_at)
-        info = host.info or {}
-        if info.get("host") and info.get("store") == found.store:
-            raise SupersededError(found)
-        logger.info(
-            "generation %d at %s is named, but its host at %s does not answer as its host (%s)",
-            found.gen,
-            found.store,
-            found.host_at,
-            host.liveness.value,
+        mine = (self._store_rounds > 0, self._gen)
+        named = [best_store([info], self._params.run_id) for info in answers]
+        better = sorted(
+            {found for found in named if found and (found.established, found.gen) > mine},
+            reverse=True,
         )
+        for found in better:
+            votes = sum(1 for other in named if other == found)
+            if 2 * votes > len(self._addresses):
+                raise SupersededError(found)
+            hosts = {other.host_at for other in named if other == found and other.host_at}
+            for host_at in hosts:
+                info = liveness.ask(host_at).info or {}
+                if info.get("host") and info.get("store") == found.store:
+                    raise SupersededError(found)
+            logger.info(
+                "generation %d at %s is named by %d of %d, and its host does not answer",
+                found.gen,
+                found.store,
+                votes,
+                len(self._addresses),
+            )
 
     def _old_host_silent(self, host: str, port: int) -> bool:
         """Whether the endpoint still leads to the store host we lost and that host is silent
