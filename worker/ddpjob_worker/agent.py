@@ -886,12 +886,39 @@ class DdpjobAgent(LocalElasticAgent):
             return
         host, port = split_endpoint(self._params.endpoint)
         logger.warning("waiting for the rendezvous store at %s:%d to come back", host, port)
+        handler = self._connect(
+            self._params,
+            deadline,
+            retry_after=0.2,
+            # Its kernel still accepts (frozen, or its machine half alive) but nobody answers:
+            # a client would wait on it forever. Wait for it to answer, or for the endpoint to
+            # name another host (its replacement).
+            hold=self._old_host_silent,
+            gone=f"the rendezvous store at {host}:{port} did not come back",
+        )
+        self._install(handler)
+        logger.info(
+            "rejoining with a fresh rendezvous handler (recovery %d)", self._store_recoveries
+        )
+
+    def _connect(
+        self,
+        params: RendezvousParameters,
+        deadline: float,
+        *,
+        retry_after: float,
+        gone: str,
+        hold: Callable[[str, int], bool] | None = None,
+    ) -> RendezvousHandler:
+        """A client handler for the store at ``params.endpoint``, once it accepts connections
+        and answers (each try bounded), before ``deadline``; ``hold(host, port)`` true means
+        "not yet, look again"."""
+        host, port = split_endpoint(params.endpoint)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EndpointUnreachableError(
-                    f"the rendezvous store at {host}:{port} did not come back within the join "
-                    f"timeout ({self._settings.join_timeout:g}s)"
+                    f"{gone} within the join timeout ({self._settings.join_timeout:g}s)"
                 )
             wait_for_endpoint(
                 host,
@@ -900,30 +927,24 @@ class DdpjobAgent(LocalElasticAgent):
                 join_timeout=self._settings.join_timeout,
                 cap=RECOVERY_PROBE_CAP_SECONDS,
             )
-            if self._old_host_silent(host, port):
-                # Its kernel still accepts (frozen, or its machine half alive) but nobody
-                # answers: a client would wait on it forever. Wait for it to answer, or for
-                # the endpoint to name another host (its replacement).
+            if hold is not None and hold(host, port):
                 time.sleep(min(RECOVERY_PROBE_CAP_SECONDS, max(0.0, remaining)))
                 continue
             try:
-                handler = _call_bounded(
-                    lambda: rdzv_registry.get_rendezvous_handler(self._params),
+                handler: RendezvousHandler = _call_bounded(
+                    functools.partial(rdzv_registry.get_rendezvous_handler, params),
                     "connect to the rendezvous store",
                     limit=self._settings.store_read_timeout or 10.0,
                 )
-                break
+                return handler
             except (RendezvousConnectionError, StoreSilentError) as exc:
-                logger.warning("store at %s:%d not ready yet: %s", host, port, exc)
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        self._install(handler)
-        self._store_recoveries += 1
-        self._state.update(store_recoveries=self._store_recoveries)
-        logger.info(
-            "rejoining with a fresh rendezvous handler (recovery %d)", self._store_recoveries
-        )
+                logger.warning("store at %s not ready yet: %s", params.endpoint, exc)
+                time.sleep(min(retry_after, max(0.0, deadline - time.monotonic())))
 
     def _install(self, handler: RendezvousHandler) -> None:
+        """Use ``handler`` (another store than before) from now on; a store recovery."""
+        self._store_recoveries += 1
+        self._state.update(store_recoveries=self._store_recoveries)
         spec = self._worker_group.spec
         spec.rdzv_handler = handler
         self._rdzv_handler = handler
@@ -1045,8 +1066,6 @@ class DdpjobAgent(LocalElasticAgent):
             new.expect_idents(frozenset(ranks) - excluded)
         self._store_address = f"{addr}:{port}"
         self._say()
-        self._store_recoveries += 1
-        self._state.update(store_recoveries=self._store_recoveries)
         logger.warning(
             "hosting the rendezvous store, generation %d, at %s", self._gen, self._store_address
         )
@@ -1054,31 +1073,12 @@ class DdpjobAgent(LocalElasticAgent):
     def _move_to(self, found: StoreAnswer, deadline: float, expect: frozenset[str] | None) -> None:
         """Join the store another agent named (its generation is newer than ours)."""
         params = _store_params(self._params, found.store, is_host=False)
-        host, port = split_endpoint(found.store)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EndpointUnreachableError(
-                    f"the rendezvous store at {found.store} (generation {found.gen}) did not "
-                    f"answer within the join timeout ({self._settings.join_timeout:g}s)"
-                )
-            wait_for_endpoint(
-                host,
-                port,
-                remaining,
-                join_timeout=self._settings.join_timeout,
-                cap=RECOVERY_PROBE_CAP_SECONDS,
-            )
-            try:
-                handler = _call_bounded(
-                    lambda: rdzv_registry.get_rendezvous_handler(params),
-                    "connect to the rendezvous store",
-                    limit=self._settings.store_read_timeout or 10.0,
-                )
-                break
-            except (RendezvousConnectionError, StoreSilentError) as exc:
-                logger.warning("store at %s not ready yet: %s", found.store, exc)
-                time.sleep(0.05)
+        handler = self._connect(
+            params,
+            deadline,
+            retry_after=0.05,
+            gone=f"the rendezvous store at {found.store} (generation {found.gen}) did not answer",
+        )
         self._params = params
         self._hosting = False
         self._gen = found.gen
@@ -1086,8 +1086,6 @@ class DdpjobAgent(LocalElasticAgent):
         self._install(handler)
         if self._fast is not None and expect is not None:
             self._fast.expect_idents(expect)
-        self._store_recoveries += 1
-        self._state.update(store_recoveries=self._store_recoveries)
         logger.info("joined the rendezvous store, generation %d, at %s", found.gen, found.store)
 
     def _check_superseded(self) -> None:
