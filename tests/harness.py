@@ -115,10 +115,11 @@ def is_idle_spare(pid: int) -> bool:
         return False
 
 
-def tagged_pids(tag: str) -> list[int]:
-    """Live (non-zombie) processes whose environment carries ``DDPJOB_TEST_TAG=tag``."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    pids = []
+def processes_with_env(name: str, value: str) -> list[tuple[int, str]]:
+    """``(pid, state)`` of every process whose environment has ``name=value`` (state as in
+    ``/proc/<pid>/stat``: ``R``, ``S``, ``T`` for stopped, ``Z`` for a zombie...)."""
+    needle = f"{name}={value}".encode()
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -126,11 +127,15 @@ def tagged_pids(tag: str) -> list[int]:
             if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
                 continue
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
+        except (OSError, IndexError):
             continue
-        if state != "Z":
-            pids.append(int(entry))
-    return pids
+        found.append((int(entry), state))
+    return found
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries ``DDPJOB_TEST_TAG=tag``."""
+    return [pid for pid, state in processes_with_env(TAG_ENV, tag) if state != "Z"]
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -23,6 +23,8 @@ import psutil
 import pytest
 import yaml
 
+from tests.harness import processes_with_env
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train.py"
 BIN = Path(sys.executable).parent
@@ -182,20 +184,11 @@ def leftovers(run_dir: Path) -> list[str]:
 
 def stopped(run_dir: Path) -> list[int]:
     """Processes started for this run that are stopped (SIGSTOP: state T or t in /proc)."""
-    needle = f"DDPJOB_RUN_DIR={run_dir}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                continue
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state in ("T", "t"):
-            found.append(int(entry))
-    return found
+    return [
+        pid
+        for pid, state in processes_with_env("DDPJOB_RUN_DIR", str(run_dir))
+        if state in ("T", "t")
+    ]
 
 
 def frozen_victim(out: str) -> tuple[str, int]:
