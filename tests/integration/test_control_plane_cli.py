@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests import tools
-from tests.kube import controlplane
+from tests.kube import controlplane, network
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,11 +83,14 @@ def claimed_octet(pid: int) -> int:
     return octet
 
 
-def held_back(octet: int) -> bool:
-    """Whether the cluster's pod range has its blackhole route: an address of it that is not
-    (or no longer) on lo, a deleted pod's, goes nowhere instead of out the default route."""
-    routes = controlplane._ip("route", "show", "type", "blackhole").stdout.split("\n")
-    return f"blackhole 10.{octet}.0.0/16" in [line.strip() for line in routes]
+def hub_exists(octet: int) -> bool:
+    """Whether the cluster's hub namespace (its bridge, DNS and Service addresses) is there."""
+    return network.hub(octet) in controlplane._ip("netns", "list").stdout.split()
+
+
+def machine_addresses() -> str:
+    """Every address of the machine's own namespace: the clusters must add none."""
+    return controlplane._ip("-o", "addr", "show").stdout
 
 
 def wait_gone(processes: list[psutil.Process], timeout: float = 30) -> list[str]:
@@ -107,13 +110,13 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
             assert component in names
         assert "sleep 600" in names, "the pod's process"
         octet = claimed_octet(process.pid)
-        assert held_back(octet)
-        blackholes = controlplane._ip("route", "show", "type", "blackhole").stdout
-        assert controlplane.SERVICE_CIDR in blackholes, "ClusterIPs must not leave either"
+        assert hub_exists(octet)
+        assert f" 10.{octet}." not in machine_addresses(), "pod addresses live in namespaces"
+        assert " 10.96." not in machine_addresses(), "so do ClusterIPs"
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
         assert wait_gone(started) == []
-        assert not held_back(octet), "a clean stop removes its route"
+        assert not hub_exists(octet), "a clean stop removes its network"
     finally:
         if process.poll() is None:
             process.kill()
@@ -125,19 +128,18 @@ def test_the_death_of_its_starter_takes_every_component_and_pod_along(tmp_path: 
         run_a_pod(kubeconfig)
         started = descendants(process.pid)
         octet = claimed_octet(process.pid)
-        assert held_back(octet), "a packet for a pod address not on lo must not leave"
+        assert hub_exists(octet)
         process.send_signal(signal.SIGKILL)  # no cleanup of its own
         process.wait(timeout=30)
         assert wait_gone(started) == []
-        # Its addresses stay on lo (the kernel keeps them) until the next start releases them.
-        assert f"inet 10.{octet}." in controlplane._ip("addr", "show", "dev", "lo").stdout
-        assert held_back(octet)
+        # Its hub namespace stays (a bind mount the kernel keeps) until the next start
+        # releases it; its pods' namespaces went with their node's processes.
+        assert hub_exists(octet)
         # The nftables table a frozen node leaves (ControlPlane.freeze_node) goes with the range.
         table = controlplane.nft_table(octet)
         assert controlplane._nft("add", "table", "inet", table).returncode == 0
         assert octet in controlplane.release_abandoned_ranges()
-        assert f"inet 10.{octet}." not in controlplane._ip("addr", "show", "dev", "lo").stdout
-        assert not held_back(octet)
+        assert not hub_exists(octet)
         assert table not in controlplane._nft("list", "tables").stdout
         assert not (controlplane.ROUTES / str(octet)).exists()
     finally:

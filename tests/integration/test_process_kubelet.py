@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 import pytest
 
+from tests.kube import network
 from tests.kube.fixtures import KubeTest, wait_for
 
 pytestmark = pytest.mark.slow
@@ -194,7 +196,9 @@ def test_env_is_resolved_as_a_kubelet_does(kube: KubeTest) -> None:
     done = phase(kube, "envy", "Succeeded")
     ip = done["status"]["podIP"]
     first, second = kube.kubectl("logs", "envy").stdout.splitlines()
-    assert first == f"envy {ip} tester blue envy-blue-$(POD)-$(UNDEFINED) 100 127.0.0.1"
+    assert (
+        first == f"envy {ip} tester blue envy-blue-$(POD)-$(UNDEFINED) 100 10.96.0.1"
+    )  # the Service's ClusterIP
     assert second == "envy"
 
 
@@ -342,11 +346,21 @@ def test_a_terminating_pod_stays_resolvable_until_it_is_gone(kube: KubeTest) -> 
     wait_for(lambda: resolve(kube, name) == [], "the name gone with the pod", timeout=10)
 
 
+def running(process: psutil.Process) -> bool:
+    """Alive and not a zombie (a process may die between two questions)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def resolve(kube: KubeTest, name: str) -> list[str]:
     """A query to the cluster DNS, as a pod's resolver asks it."""
     from dnslib import DNSRecord  # noqa: PLC0415
 
-    answer = DNSRecord.parse(DNSRecord.question(name).send(kube.cluster.dns_ip, 53, timeout=2))
+    with network.inside(kube.cluster.hub):  # dnslib's socket is made in the cluster's network
+        reply = DNSRecord.question(name).send(kube.cluster.dns_ip, 53, timeout=2)
+    answer = DNSRecord.parse(reply)
     return sorted(str(record.rdata) for record in answer.rr)
 
 
@@ -373,10 +387,17 @@ def test_a_frozen_node_is_silent_and_its_kubelet_kills_what_was_deleted_meanwhil
     pods = [psutil.Process(pid) for pid in stopped[1:]]
     assert pods, "the pod's processes were not found in the node's PID namespace"
     assert all(p.status() == psutil.STATUS_STOPPED for p in [psutil.Process(stopped[0]), *pods])
-    for address in (node_ip, running["status"]["podIP"]):
+    pod_ip = running["status"]["podIP"]
+    connects: dict[
+        str, Callable[[], socket.socket]
+    ] = {  # the node's address from the machine's namespace, the pod's from the hub's
+        node_ip: lambda: socket.create_connection((node_ip, 10250), timeout=2),
+        pod_ip: lambda: network.connect(kube.cluster.hub, (pod_ip, 10250), timeout=2),
+    }
+    for address, connect in connects.items():
         began = time.monotonic()
         with pytest.raises(TimeoutError):
-            socket.create_connection((address, 10250), timeout=2).close()
+            connect().close()
         assert time.monotonic() - began >= 1.9, f"{address}: refused or reset, not silent"
     size = log.stat().st_size
     time.sleep(1)
@@ -389,7 +410,7 @@ def test_a_frozen_node_is_silent_and_its_kubelet_kills_what_was_deleted_meanwhil
     healed = time.monotonic()
     kube.heal_node(victim, wait=False)
     wait_for(
-        lambda: not [p for p in pods if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+        lambda: not [p for p in pods if running(p)],
         "the deleted pod's processes killed by the returning kubelet",
         timeout=30,
     )

@@ -13,7 +13,8 @@
   ``--node-monitor-period=1s --node-monitor-grace-period=6s`` (the kubelets renew their Lease
   every second);
 * **kube-scheduler**;
-* **cluster DNS** (:mod:`tests.kube.dns`) on ``10.<c>.0.10:53``;
+* **cluster DNS** (:mod:`tests.kube.dns`) on ``10.<c>.0.10:53`` and the ``kubernetes``
+  Service on ``10.96.0.1:443`` (:func:`tests.kube.network.forward`), in the cluster's hub;
 * **N process kubelets** (:mod:`tests.kube.kubelet`), ``node-1`` ... ``node-N``, each as PID 1
   of a PID namespace of its own: :meth:`lose_node` SIGKILLs one, and the kernel kills every
   process of its pods with it. Its heartbeats stop; nothing else is done for the controllers.
@@ -21,13 +22,16 @@
   (SIGSTOP) and every packet to or from its addresses dropped (nftables), so its peers see
   neither an answer nor a reset; :meth:`heal_node` brings it back as it was.
 
-Pod addresses are in ``10.<c>.0.0/16``, each a /32 on ``lo`` (local to this machine like
-loopback's, reachable from nowhere else; gloo needs its address on an interface). They cannot be
-loopback addresses: the API server refuses 127.0.0.0/8 in EndpointSlices ("may not be in the
-loopback range"), so headless Services, and with them pod DNS names, would never work. ``<c>``
-is picked per cluster among ranges no route of this machine overlaps, so two clusters can run
-at once; node ``i`` has the pod CIDR ``10.<c>.<16 i>.0/20`` and the node address ``.1`` of it.
-The kubelets serve ``kubectl logs`` there.
+The cluster's network lives in namespaces of its own (:mod:`tests.kube.network`): nothing is
+added to the machine's own. Each pod has a network namespace with its address in
+``10.<c>.0.0/16`` on a bridge in the cluster's hub namespace, so it has its own port space, as
+in a real cluster. Pod addresses cannot be loopback addresses: the API server refuses
+127.0.0.0/8 in EndpointSlices ("may not be in the loopback range"), so headless Services, and
+with them pod DNS names, would never work. ``<c>`` is picked per cluster, so two clusters can
+run at once; node ``i`` has the pod CIDR ``10.<c>.<16 (i + 1)>.0/20``. The kubelets and the
+API server stay in the machine's namespace, on loopback: node ``i``'s address is
+``127.<c>.0.<i + 1>``, where its kubelet serves ``kubectl logs``. Tests reach a pod by entering
+the hub for one connection (:func:`tests.kube.network.connect`).
 
 Every process is started with ``PR_SET_PDEATHSIG``: if the process that started the cluster
 dies (a crash of pytest, a SIGKILL), the components die with it, and each node's kubelet takes
@@ -57,7 +61,7 @@ import psutil
 import requests
 import yaml
 
-from tests.kube import build, pki, runtime
+from tests.kube import build, network, pki, runtime
 from tests.kube.client import ApiError, Client, Endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,14 +106,11 @@ def _die_with_parent() -> None:
 
 ROUTES = Path("/run/ddpjob-kube")
 """One file per cluster's pod range, holding the pid of the process that owns it."""
+SERVICE_PORT = network.API_SERVICE_PORT
 
 
 def _routes() -> str:
     return _ip("route", "show", "table", "all").stdout
-
-
-INTERFACE = "lo"
-"""Where pod addresses live (the kernels of these machines have no dummy interfaces)."""
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -150,14 +151,14 @@ def _nft_drop_table(octet: int) -> None:
 
 
 def _claim_pod_range() -> int:
-    """A second octet ``c`` for the pods' ``10.<c>.0.0/16`` that overlaps no route of this
-    machine; its addresses will be /32s on ``lo`` (local to this machine like loopback's,
-    reachable from nowhere else). Ranges whose owner died are released first."""
+    """A second octet ``c`` for the pods' ``10.<c>.0.0/16`` that no route of this machine and no
+    other cluster uses, and the cluster's hub namespace. Ranges whose owner died are released
+    first."""
     release_abandoned_ranges()
     taken = _routes()
     for _ in range(200):
         octet = random.randint(100, 250)
-        if f"10.{octet}." in taken or (ROUTES / str(octet)).exists():
+        if f"10.{octet}." in taken or octet in network.hubs():
             continue
         claim = ROUTES / str(octet)
         try:
@@ -165,30 +166,27 @@ def _claim_pod_range() -> int:
                 f.write(str(os.getpid()))
         except FileExistsError:
             continue
-        added = _ip("addr", "add", f"10.{octet}.0.10/32", "dev", INTERFACE)  # the cluster DNS
-        if added.returncode == 0:
-            # The machine's default route would send a packet for an address that is not (or
-            # no longer) on lo, a deleted pod's that DNS still names for one, out of the
-            # machine. The local /32s win over this route; everything else in the range stays
-            # here and is dropped, as a dead pod's address is in a cluster.
-            added = _ip("route", "add", "blackhole", f"10.{octet}.0.0/16")
-        if added.returncode == 0:  # ClusterIPs too: shared by every cluster, so only replaced
-            added = _ip("route", "replace", "blackhole", SERVICE_CIDR)
-        if added.returncode != 0:
+        try:
+            network.make_hub(octet)
+        except network.NetworkError as exc:
             _release_pod_range(octet)
             raise ControlPlaneError(
-                f"cannot give the cluster addresses ({' '.join(added.args)}: "
-                f"{added.stderr.strip()}); the process kubelet needs root (CAP_NET_ADMIN)"
-            )
+                f"cannot make the cluster's network ({exc}); the process kubelet needs root "
+                "(CAP_NET_ADMIN, CAP_SYS_ADMIN)"
+            ) from exc
         return octet
     raise ControlPlaneError("no free 10.<c>.0.0/16 range for the pods of a cluster")
 
 
 def release_abandoned_ranges() -> list[int]:
-    """Release the ranges (addresses, cgroups) of clusters whose starter died without cleaning
-    up (a SIGKILL): the kernel removes neither. Returns their octets."""
+    """Release the ranges (hub namespaces, nftables tables, cgroups) of clusters whose starter
+    died without cleaning up (a SIGKILL): the kernel removes none of them. Returns their
+    octets."""
     ROUTES.mkdir(parents=True, exist_ok=True)
     released = []
+    for octet in network.hubs():
+        if not (ROUTES / str(octet)).exists():  # its starter died between the two
+            network.remove_hub(octet)
     for claim in ROUTES.glob("*"):
         with contextlib.suppress(OSError, ValueError):
             if not Path(f"/proc/{int(claim.read_text())}").exists():
@@ -198,18 +196,15 @@ def release_abandoned_ranges() -> list[int]:
 
 
 def _release_pod_range(octet: int) -> None:
-    """The cluster's addresses, its nftables table and its kubelets' cgroups (its nodes are
-    dead by now)."""
-    _ip("addr", "flush", "dev", INTERFACE, "to", f"10.{octet}.0.0/16")
-    _ip("route", "del", "blackhole", f"10.{octet}.0.0/16")
+    """The cluster's hub namespace, its nftables table and its kubelets' cgroups (its nodes are
+    dead by now, and their pods' namespaces with them)."""
+    network.remove_hub(octet)
     _nft_drop_table(octet)
     mine = runtime.Cgroups.named("")
     if mine is not None:
         for path in mine.root.glob(f"ddpjob-kube-{octet}-*"):
             runtime.Cgroups(path, mine.v2).remove_all()
     (ROUTES / str(octet)).unlink(missing_ok=True)
-    if not any(ROUTES.glob("*")):  # the last cluster of this machine
-        _ip("route", "del", "blackhole", SERVICE_CIDR)
 
 
 @dataclasses.dataclass
@@ -256,7 +251,16 @@ class ControlPlane:
 
     @property
     def dns_ip(self) -> str:
-        return f"10.{self.octet}.0.10"
+        return network.dns_address(self.octet)
+
+    @property
+    def hub(self) -> Path:
+        """The cluster's hub namespace (:mod:`tests.kube.network`): enter it to reach a pod."""
+        return network.hub_path(self.octet)
+
+    def node_ip(self, index: int) -> str:
+        """Node ``index``'s address, on this machine's loopback (where its kubelet runs)."""
+        return f"127.{self.octet}.0.{index + 1}"
 
     def node_name(self, index: int) -> str:
         return f"node-{index + 1}"
@@ -350,7 +354,13 @@ class ControlPlane:
             self._spawn(
                 "dns",
                 [sys.executable, "-m", "tests.kube.dns", "--kubeconfig", str(self.kubeconfig),
-                 "--listen", self.dns_ip, "--domain", DOMAIN],
+                 "--netns", str(self.hub), "--listen", self.dns_ip, "--domain", DOMAIN],
+            )  # fmt: skip
+            self._spawn(
+                "kubernetes-service",
+                [sys.executable, "-m", "tests.kube.network", "--netns", str(self.hub),
+                 "--listen", f"{network.API_SERVICE_IP}:{network.API_SERVICE_PORT}",
+                 "--to", f"127.0.0.1:{self.api_port}"],
             )  # fmt: skip
             for index in range(len(nodes)):
                 self._start_node(index)
@@ -471,6 +481,8 @@ class ControlPlane:
 
     def _start_node(self, index: int) -> None:
         name = self.node_name(index)
+        # The pod range is this node's again (a lost node's was answered for by the hub).
+        network.answer_for(self.octet, self.pod_cidr(index), on=False)
         kubeconfig = self.kubeconfigs[f"system:node:{name}"]
         root = self.workdir / "nodes" / name
         root.mkdir(parents=True, exist_ok=True)
@@ -481,7 +493,8 @@ class ControlPlane:
             "api_host": "127.0.0.1",
             "api_port": self.api_port,
             "dns": self.dns_ip,
-            "interface": INTERFACE,
+            "octet": self.octet,
+            "node_ip": self.node_ip(index),
             "domain": DOMAIN,
             "root": str(root),
             "capacity": self.node_capacity,
@@ -589,25 +602,26 @@ class ControlPlane:
             self.admin().delete(f"/api/v1/nodes/{name}")
 
     def lose_node(self, name: str) -> None:
-        """The node is gone: its kubelet and every process of its pods die at once (SIGKILL of
-        its PID namespace), its heartbeats stop. The controllers must notice by themselves."""
+        """The node is gone, loudly: its kubelet and every process of its pods die at once
+        (SIGKILL of its PID namespace), so their connections are reset or ended, and the hub
+        answers for its pod range from then on (a connect is refused, as by a machine whose
+        processes died). Its heartbeats stop; the controllers must notice by themselves.
+        :meth:`freeze_node` is the silent loss."""
         component = self.components[name]
         component.process.send_signal(signal.SIGKILL)
         component.process.wait(timeout=30)
+        network.answer_for(self.octet, self.node_addresses(name), on=True)
 
     def freeze_node(self, name: str) -> list[int]:
-        """The node is lost silently (a machine hung, or cut off without a reset): every
-        packet from or to its addresses (its node address and pod CIDR) is dropped, then every
-        process of its PID namespace is stopped (SIGSTOP), its kubelet first. Its peers'
+        """The node is lost silently (a machine hung, or cut off without a reset): its pods'
+        bridge ports go down and every packet from or to its node address is dropped, then
+        every process of its PID namespace is stopped (SIGSTOP), its kubelet first. Its peers'
         connects and requests time out; nothing answers, nothing resets. The controllers and
         the operator see what :meth:`lose_node` shows them (the heartbeats stop).
 
-        Returns the pids stopped (this machine's), the kubelet's first. A connection a frozen
-        pod opened to a live pod from an unbound socket has the live pod's address at both
-        ends (the kernel picks the destination, a local address, as the source): its packets
-        are not dropped, and the kernel (which the frozen node shares with the live ones)
-        still acknowledges them, though nothing on the frozen side reads or writes. Needs ``nft``
-        (:data:`NFT_PACKAGE`): without it this fails with the package to install."""
+        Returns the pids stopped (this machine's), the kubelet's first. Needs ``nft``
+        (:data:`NFT_PACKAGE`) for the node address on loopback: without it this fails with the
+        package to install."""
         if name in self.frozen:
             raise ControlPlaneError(f"{name} is already frozen")
         kubelet = self._kubelet(name)
@@ -636,7 +650,7 @@ class ControlPlane:
                 self._wait_nodes([name])
 
     def node_addresses(self, name: str) -> str:
-        """The node's address range: its pod CIDR, which holds its node address (``.1``)."""
+        """The node's pod range (its pods' addresses, in the hub)."""
         return self.pod_cidr(self._index(name))
 
     def container_log(self, node: str, uid: str, container: str, restart: int = 0) -> Path:
@@ -677,15 +691,17 @@ class ControlPlane:
             if created.returncode != 0:
                 raise ControlPlaneError(f"nft: cannot make table {table}: {created.stderr.strip()}")
             self.nft_ready = True
-        cidr = self.node_addresses(name)
-        added = _nft("add", "element", "inet", nft_table(self.octet), "frozen", f"{{ {cidr} }}")
+        address = self.node_ip(self._index(name))
+        added = _nft("add", "element", "inet", nft_table(self.octet), "frozen", f"{{ {address} }}")
         if added.returncode != 0:
-            raise ControlPlaneError(f"nft: cannot drop {cidr}: {added.stderr.strip()}")
+            raise ControlPlaneError(f"nft: cannot drop {address}: {added.stderr.strip()}")
+        network.set_ports(self.octet, self.node_addresses(name), up=False)
 
     def _let_through(self, name: str) -> None:
+        network.set_ports(self.octet, self.node_addresses(name), up=True)
         if self.nft_ready:
-            cidr = self.node_addresses(name)
-            _nft("delete", "element", "inet", nft_table(self.octet), "frozen", f"{{ {cidr} }}")
+            address = self.node_ip(self._index(name))
+            _nft("delete", "element", "inet", nft_table(self.octet), "frozen", f"{{ {address} }}")
 
     def node_of(self, namespace: str, pod: str) -> str:
         body = self.admin().get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
@@ -707,7 +723,9 @@ class ControlPlane:
             self.heal_node(name, wait=False)
         order = [n for n in self.components if n.startswith("node-")]
         order += [
-            n for n in ("dns", "kube-scheduler", "kube-controller-manager") if n in self.components
+            n
+            for n in ("dns", "kubernetes-service", "kube-scheduler", "kube-controller-manager")
+            if n in self.components
         ]
         order += [n for n in ("kube-apiserver", "etcd") if n in self.components]
         for name in order:

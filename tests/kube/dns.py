@@ -1,8 +1,9 @@
 """Cluster DNS for the test control plane: what CoreDNS's kubernetes plugin answers, from the
 real Services and EndpointSlices the real controllers write.
 
-``python -m tests.kube.dns --kubeconfig K --listen IP --domain cluster.local`` serves UDP and
-TCP on ``IP:53``; every pod's resolv.conf (written by the process kubelet) points at it. It
+``python -m tests.kube.dns --kubeconfig K [--netns HUB] --listen IP --domain cluster.local``
+serves UDP and TCP on ``IP:53`` (inside the cluster's hub namespace, :mod:`tests.kube.network`,
+while it reaches the API server from the machine's own); every pod's resolv.conf (written by the process kubelet) points at it. It
 answers A queries for
 
 * ``<service>.<ns>.svc.<domain>``: the ClusterIP, or for a headless Service the addresses of
@@ -20,6 +21,7 @@ up to 30 s of cache; there is none here).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -31,6 +33,7 @@ from typing import Any
 from dnslib import QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSHandler, DNSServer
 
+from tests.kube import network
 from tests.kube.client import Client, Endpoint
 
 JSON = dict[str, Any]
@@ -128,7 +131,9 @@ class QuietLogger:
         return lambda *args, **kwargs: None
 
 
-def serve(kubeconfig: Path, listen: str, domain: str, port: int = 53) -> None:
+def serve(
+    kubeconfig: Path, listen: str, domain: str, port: int = 53, netns: Path | None = None
+) -> None:
     endpoint = Endpoint.from_kubeconfig(kubeconfig)
     records = Records(domain)
     stop = threading.Event()
@@ -144,10 +149,11 @@ def serve(kubeconfig: Path, listen: str, domain: str, port: int = 53) -> None:
             daemon=True,
         ).start()
     resolver = Resolver(records)
-    servers = [
-        DNSServer(resolver, address=listen, port=port, tcp=tcp, logger=QuietLogger())
-        for tcp in (False, True)
-    ]
+    with network.inside(netns) if netns is not None else contextlib.nullcontext():
+        servers = [  # their sockets are made, and stay, in the cluster's hub
+            DNSServer(resolver, address=listen, port=port, tcp=tcp, logger=QuietLogger())
+            for tcp in (False, True)
+        ]
     for server in servers:
         server.start_thread()
 
@@ -165,12 +171,13 @@ def serve(kubeconfig: Path, listen: str, domain: str, port: int = 53) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.kube.dns")
     parser.add_argument("--kubeconfig", type=Path, required=True)
+    parser.add_argument("--netns", type=Path, help="the namespace to serve in")
     parser.add_argument("--listen", required=True)
     parser.add_argument("--port", type=int, default=53)
     parser.add_argument("--domain", default="cluster.local")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    serve(args.kubeconfig, args.listen, args.domain, args.port)
+    serve(args.kubeconfig, args.listen, args.domain, args.port, args.netns)
     return 0
 
 

@@ -4,7 +4,7 @@ The process kubelet starts every container as
 ``unshare --mount --uts --propagation private -- python -I -S tests/kube/init.py SPEC``
 followed by the container's argv. In the new mount and UTS namespaces this:
 
-1. joins the container's cgroup;
+1. joins the container's cgroup and the pod's network namespace (``setns``);
 2. opens every mount source first (``O_PATH``): a volume mounted over a parent of a later
    source (an emptyDir at ``/tmp`` while the pod's directory is under ``/tmp``) cannot hide
    it, since the bind is made from the open file, not from a path;
@@ -27,6 +27,7 @@ import os
 import socket
 import sys
 
+CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
 MS_REMOUNT = 32
 MS_BIND = 4096
@@ -69,6 +70,13 @@ def setup(spec: dict[str, object]) -> None:
     if isinstance(cgroup, str):
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
             procs.write(str(os.getpid()))
+    netns = spec.get("netns")
+    if isinstance(netns, str):
+        netns_fd = os.open(netns, os.O_RDONLY)
+        if _libc.setns(netns_fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns {netns}: {os.strerror(error)}")
+        os.close(netns_fd)
     mounts = list(spec.get("mounts") or [])  # type: ignore[call-overload]
     keep = list(spec.get("keep") or [])  # type: ignore[call-overload]
     files = {"hosts": "/etc/hosts", "resolv": "/etc/resolv.conf"}

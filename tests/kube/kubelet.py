@@ -9,8 +9,9 @@ kubelets:
   condition) and keeps it fresh: its ``Lease`` in ``kube-node-lease`` every
   ``renewSeconds``, the node's conditions every ``statusSeconds``. The node lifecycle
   controller watches exactly these;
-* watches the pods bound to it (``spec.nodeName``) and runs each: a sandbox (its own loopback
-  IP, hosts file, resolv.conf and volumes, :mod:`tests.kube.runtime`), then its init
+* watches the pods bound to it (``spec.nodeName``) and runs each: a sandbox (a network
+  namespace of its own joined to the cluster's bridge, :mod:`tests.kube.network`; a hosts
+  file, resolv.conf and volumes, :mod:`tests.kube.runtime`), then its init
   containers in order, then its containers, each a process tree of the shared process layer
   (:class:`ddpjob_operator.local.pods.ContainerProcess`), with the env resolved as a kubelet
   does (``fieldRef``, ``resourceFieldRef``, ConfigMap and Secret references, ``$(VAR)``);
@@ -29,11 +30,12 @@ kubelets:
 * kills the pods the API no longer has (SIGTERM, then SIGKILL a second later), as a kubelet
   kills every pod outside its desired set; after a stall (its node frozen, say), it lists its
   pods again before it syncs any, so a pod force-deleted meanwhile is killed at once;
-* serves ``/containerLogs`` on its node address, so ``kubectl logs`` works through the API
+* serves ``/containerLogs`` on its node address (a loopback address of this machine's own
+  namespace, where the kubelet itself runs), so ``kubectl logs`` works through the API
   server; emits the Events ``kubectl describe pod`` shows.
 
 What it does not do: images (a table of known images, :func:`tests.kube.runtime.default_images`),
-network namespaces (pods share the machine's port space), ``runAsUser``, startup probes,
+``runAsUser``, startup probes,
 lifecycle hooks, ephemeral containers, PersistentVolumeClaims, token rotation.
 """
 
@@ -46,6 +48,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import functools
+import http.client
 import http.server
 import json
 import logging
@@ -77,7 +80,7 @@ from ddpjob_operator.local.pods import (
     container_env,
     spawn,
 )
-from tests.kube import pki, runtime
+from tests.kube import network, pki, runtime
 from tests.kube.client import ApiError, Client, Endpoint
 
 JSON = dict[str, Any]
@@ -122,8 +125,10 @@ class Config:
     api_host: str
     api_port: int
     dns: str
-    interface: str
-    """The interface that carries the node's and the pods' addresses (``lo``)."""
+    octet: int
+    """The second octet of the cluster's pod range, which names its hub (:mod:`network`)."""
+    node_ip: str
+    """The node's address: on loopback, where the API server reaches the kubelet."""
     domain: str
     root: Path
     capacity: Mapping[str, str]
@@ -236,6 +241,8 @@ class Pod:
     api: JSON
     dir: Path
     ip: str
+    netns: Path | None
+    """Where the pod's network namespace is bound (None: ``hostNetwork``)."""
     start_time: str
     init: list[Container]
     containers: list[Container]
@@ -381,7 +388,7 @@ class Kubelet:
         self.api = Client(self.endpoint, f"process-kubelet/{config.version} ({config.node})")
         self.images = runtime.Images.from_json(config.images)
         self.addresses = runtime.Addresses(config.pod_cidr)
-        self.node_ip = self.addresses.node_ip
+        self.node_ip = config.node_ip
         self.cgroups = runtime.Cgroups.find(config.cgroup)
         self.pods: dict[str, Pod] = {}
         self.seen: dict[str, JSON] = {}
@@ -569,7 +576,6 @@ class Kubelet:
     # ---- the sync loop --------------------------------------------------------------------
 
     def run(self) -> None:
-        runtime.add_address(self.config.interface, self.node_ip)
         self.register()
         for target in (self.heartbeat, self.watch_pods, self.serve_logs):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
@@ -652,13 +658,25 @@ class Kubelet:
         meta = body["metadata"]
         spec = body.get("spec") or {}
         uid = meta["uid"]
+        directory = self.config.root / "pods" / uid
+        if spec.get("hostNetwork") is True:
+            ip, netns = self.node_ip, None
+        else:
+            ip, netns = self.addresses.take(), directory / "netns"
+            try:
+                network.add_pod(netns, self.config.octet, ip)
+            except network.NetworkError as exc:  # tried again in the next pass
+                self.addresses.give_back(ip)
+                log.error("no sandbox for %s/%s: %s", meta["namespace"], meta["name"], exc)
+                return
         pod = Pod(
             uid=uid,
             namespace=meta["namespace"],
             name=meta["name"],
             api=body,
-            dir=self.config.root / "pods" / uid,
-            ip=runtime.add_address(self.config.interface, self.addresses.take()),
+            dir=directory,
+            ip=ip,
+            netns=netns,
             start_time=rfc3339(),
             init=[Container(c, i, True) for i, c in enumerate(spec.get("initContainers") or [])],
             containers=[Container(c, i, False) for i, c in enumerate(spec.get("containers") or [])],
@@ -843,7 +861,7 @@ class Kubelet:
             self.check_non_root(pod, c, image)
             c.env = container_env(
                 c.spec,
-                base={**image.env, **self.service_env()},
+                base={**image.env, **self.service_env(pod)},
                 fields=self.fields(pod),
                 where=c.where,
                 source=functools.partial(self.env_source, pod),
@@ -907,6 +925,7 @@ class Kubelet:
             mounts=mounts,
             working_dir=str(c.spec.get("workingDir") or image.working_dir),
             cgroup=c.cgroup,
+            netns=pod.netns,
         )
         members = None if c.cgroup is None else c.cgroup / "cgroup.procs"
         c.proc = spawn(
@@ -945,8 +964,13 @@ class Kubelet:
                 f'{pod.namespace}({pod.uid})", container: {c.name})'
             )
 
-    def service_env(self) -> dict[str, str]:
-        host, port = self.config.api_host, str(self.config.api_port)
+    def service_env(self, pod: Pod) -> dict[str, str]:
+        """The ``kubernetes`` Service: its ClusterIP from a pod's own namespace (forwarded to
+        the API server by the hub), the API server itself from the node's."""
+        if pod.netns is None:
+            host, port = self.config.api_host, str(self.config.api_port)
+        else:
+            host, port = network.API_SERVICE_IP, str(network.API_SERVICE_PORT)
         return {
             "KUBERNETES_SERVICE_HOST": host,
             "KUBERNETES_SERVICE_PORT": port,
@@ -1205,7 +1229,8 @@ class Kubelet:
         if "exec" in spec:
             if c.proc is None:
                 return False
-            argv = [shutil.which("nsenter") or "nsenter", "-t", str(c.proc.pid), "-m", "-u", "--"]
+            argv = [shutil.which("nsenter") or "nsenter", "-t", str(c.proc.pid), "-m", "-u"]
+            argv += ["-n", "--"] if pod.netns is not None else ["--"]
             argv += [str(a) for a in (spec["exec"].get("command") or [])]
             try:
                 result = subprocess.run(
@@ -1220,21 +1245,47 @@ class Kubelet:
             port = get.get("port")
             port = port_of.get(port, port) if isinstance(port, str) else port
             scheme = str(get.get("scheme", "HTTP")).lower()
-            url = f"{scheme}://{get.get('host') or pod.ip}:{port}{get.get('path', '/')}"
+            host = str(get.get("host") or pod.ip)
             try:
-                response = requests.get(url, timeout=timeout, verify=False)
-            except requests.RequestException:
+                status = self.http_get(
+                    pod, scheme, (host, int(port)), get.get("path", "/"), timeout
+                )
+            except (OSError, http.client.HTTPException):
                 return False
-            return 200 <= response.status_code < 400
+            return 200 <= status < 400
         if "tcpSocket" in spec:
             port = spec["tcpSocket"].get("port")
             port = port_of.get(port, port) if isinstance(port, str) else port
             try:
-                with socket.create_connection((pod.ip, int(port)), timeout=timeout):
+                with self.connect(pod, (pod.ip, int(port)), timeout):
                     return True
             except OSError:
                 return False
         return True
+
+    def connect(self, pod: Pod, address: tuple[str, int], timeout: float) -> socket.socket:
+        """A TCP connection from the pod's network namespace (from the node's: hostNetwork)."""
+        if pod.netns is None:
+            return socket.create_connection(address, timeout=timeout)
+        return network.connect(pod.netns, address, timeout)
+
+    def http_get(
+        self, pod: Pod, scheme: str, address: tuple[str, int], path: str, timeout: float
+    ) -> int:
+        """An httpGet probe's status code (HTTPS unverified, as a kubelet's)."""
+        sock = self.connect(pod, address, timeout)
+        if scheme == "https":
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            sock = context.wrap_socket(sock, server_hostname=address[0])
+        connection = http.client.HTTPConnection(address[0], address[1], timeout=timeout)
+        connection.sock = sock
+        try:
+            connection.request("GET", path, headers={"User-Agent": "kube-probe/process"})
+            return connection.getresponse().status
+        finally:
+            connection.close()
 
     # ---- API writes -----------------------------------------------------------------------
 
@@ -1271,10 +1322,10 @@ class Kubelet:
             pod.confirmed = True
 
     def forget(self, pod: Pod) -> None:
-        runtime.unmount_all(pod.dir)
+        runtime.unmount_all(pod.dir)  # the network namespace's bind mount too
         shutil.rmtree(pod.dir, ignore_errors=True)
-        runtime.remove_address(self.config.interface, pod.ip)
-        self.addresses.give_back(pod.ip)
+        if pod.netns is not None:
+            self.addresses.give_back(pod.ip)
         self.pods.pop(pod.uid, None)
         log.info("forgot %s/%s (%s)", pod.namespace, pod.name, pod.uid)
 

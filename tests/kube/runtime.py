@@ -141,11 +141,10 @@ def fake_trainer_image(control_dir: Path) -> JSON:
 
 
 class Addresses:
-    """Pod IPs from the node's pod CIDR (a range routed locally); .1 is the node's own address."""
+    """Pod IPs from the node's pod CIDR; .1 is left out (a router's, by custom)."""
 
     def __init__(self, cidr: str) -> None:
         self.network = ipaddress.ip_network(cidr)
-        self.node_ip = str(self.network.network_address + 1)
         self.used: set[str] = set()
 
     def take(self) -> str:
@@ -158,19 +157,6 @@ class Addresses:
 
     def give_back(self, address: str) -> None:
         self.used.discard(address)
-
-
-def add_address(interface: str, address: str) -> str:
-    subprocess.run(
-        ["ip", "addr", "add", f"{address}/32", "dev", interface], capture_output=True, check=False
-    )
-    return address
-
-
-def remove_address(interface: str, address: str) -> None:
-    subprocess.run(
-        ["ip", "addr", "del", f"{address}/32", "dev", interface], capture_output=True, check=False
-    )
 
 
 # ---- memory cgroups ------------------------------------------------------------------------
@@ -317,9 +303,11 @@ def wrapper(
     mounts: Sequence[Mount],
     working_dir: str,
     cgroup: Path | None,
+    netns: Path | None = None,
 ) -> list[str]:
     """The argv prefix that sets a container up and then ``exec``s its command: new mount and
-    UTS namespaces (``unshare``), then :mod:`tests.kube.init` with this container's spec."""
+    UTS namespaces (``unshare``), then :mod:`tests.kube.init` with this container's spec (which
+    enters the pod's network namespace, if it has one)."""
     spec = {
         "hostname": hostname,
         "hosts": str(hosts),
@@ -337,6 +325,7 @@ def wrapper(
         "keep": protected_paths(),
         "workingDir": working_dir,
         "cgroup": None if cgroup is None else str(cgroup),
+        "netns": None if netns is None else str(netns),
     }
     unshare = shutil.which("unshare") or "unshare"
     init = str(Path(__file__).with_name("init.py"))
