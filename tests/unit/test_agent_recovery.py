@@ -297,3 +297,32 @@ def test_a_watch_that_was_frozen_itself_does_not_take_its_live_peers_for_silent(
         watcher.kill()
         watcher.wait(10)
         peer.close()
+
+
+def test_an_agent_at_a_dead_members_address_and_pid_is_another_member() -> None:
+    """A replacement pod that gets the deleted pod's address on the same node starts its agent
+    at the same pid (the node's PID namespace starts pods in the same order): torch's node
+    descriptor ``<addr>_<pid>_<local id>`` would take it for the member that left. The agent
+    seeds its local ids with a random incarnation, and identities carry it."""
+    from ddpjob_worker.rendezvous import INCARNATION_SHIFT, ident  # noqa: PLC0415
+
+    old, new = (f"10.0.0.2_11_{(i << INCARNATION_SHIFT) + 1}" for i in (5, 9))
+    assert (ident(old), ident(new)) == ("10.0.0.2_11_5", "10.0.0.2_11_9")
+    assert ident(f"10.0.0.2_11_{(5 << INCARNATION_SHIFT) + 7}") == ident(old), "a later handler"
+    assert ident("10.0.0.2_11_0") == ident("10.0.0.2_11_3") == "10.0.0.2_11", "plain torchrun"
+    code = (
+        "from torch.distributed.elastic.rendezvous.dynamic_rendezvous import "
+        "DynamicRendezvousHandler as H\n"
+        "from ddpjob_worker.rendezvous import ident, seed_incarnation\n"
+        "first = seed_incarnation()\n"
+        "assert seed_incarnation() == first, 'seeded once'\n"
+        "a, b = (H._node_desc_generator.generate('10.0.0.2') for _ in range(2))\n"
+        "assert a != b and ident(a) == ident(b), (a, b)\n"
+        "print(ident(a).rpartition('_')[2])\n"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
+    incarnations = [int(run.stdout) for run in runs]
+    assert all(i > 0 for i in incarnations) and incarnations[0] != incarnations[1], incarnations

@@ -107,7 +107,14 @@ from ddpjob_worker.policy import (
     static_master,
     successor,
 )
-from ddpjob_worker.rendezvous import END_FAILURE, END_JOIN, END_LEAVE, FastRendezvous, ident
+from ddpjob_worker.rendezvous import (
+    END_FAILURE,
+    END_JOIN,
+    END_LEAVE,
+    FastRendezvous,
+    ident,
+    seed_incarnation,
+)
 from ddpjob_worker.state import Failure, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.agent")
@@ -1489,6 +1496,7 @@ def _first_handler(
     params: RendezvousParameters, settings: Settings, state: StateWriter, *, hosting: bool
 ) -> RendezvousHandler:
     """Wait for the endpoint (unless we host it), then create the rendezvous handler."""
+    seed_incarnation()
     if params.backend != "c10d" or hosting or not params.endpoint:
         return rdzv_registry.get_rendezvous_handler(params)
     host, port = split_endpoint(params.endpoint)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
@@ -83,12 +84,41 @@ def _key(run_id: str, what: str) -> str:
     return f"ddpjob.{run_id}.{what}"
 
 
+INCARNATION_SHIFT = 20
+"""A node descriptor's local id is ``incarnation << 20`` plus torch's count of the agent's
+handlers (:func:`seed_incarnation`)."""
+
+
+def seed_incarnation(incarnation: int | None = None) -> int:
+    """Make every node descriptor this agent process makes unique to its life: torch's local
+    id starts at a random ``incarnation << 20`` instead of 0.
+
+    torch names a node ``<addr>_<pid>_<local id>``. Two agents can have the same address and
+    pid: a replacement pod that gets the deleted pod's address on the same node (pods of a node
+    start in the same order in a PID namespace of their own, a ``hostNetwork`` pod with a
+    recycled pid). torch would then take the newcomer for the member that left: its heartbeat,
+    its place in the round, our ``left`` and ``silent`` keys. Done once, before the first
+    handler; returns the incarnation."""
+    generator = DynamicRendezvousHandler._node_desc_generator
+    with generator._lock:
+        if generator._local_id >> INCARNATION_SHIFT == 0:
+            chosen = incarnation if incarnation is not None else secrets.randbits(31) | 1
+            generator._local_id += chosen << INCARNATION_SHIFT
+        return int(generator._local_id >> INCARNATION_SHIFT)
+
+
 def ident(node: _NodeDesc | str) -> str:
-    """A node's identity across stores: ``<addr>_<pid>``. torch's descriptor also carries a
-    local id that grows with every handler the agent builds, so it changes when the agent
-    moves to another store; the agent process and its address do not."""
+    """A node's identity across stores: ``<addr>_<pid>_<incarnation>`` (``<addr>_<pid>`` for
+    a plain torchrun agent). torch's descriptor carries a local id that grows with every
+    handler the agent builds, so it changes when the agent moves to another store; the agent
+    process, its address and its incarnation (:func:`seed_incarnation`) do not."""
     text = node if isinstance(node, str) else repr(node)
-    return text.rsplit("_", 1)[0]
+    base, _, local = text.rpartition("_")
+    try:
+        incarnation = int(local) >> INCARNATION_SHIFT
+    except ValueError:
+        return base
+    return f"{base}_{incarnation}" if incarnation else base
 
 
 class FastRendezvous:
