@@ -315,12 +315,15 @@ class Cluster:
             grace_seconds=self.timing["grace_seconds"],
             state_file=str(self.tmp / f"state-{index}-{self._launches}.json"),
             directory_port=self._directory_port(index) if self.failover else 0,
-            peers=tuple(
-                f"{self.host(i)}:{self._directory_port(i)}" for i in range(self.max_nodes + 2)
-            )
+            peers=tuple(self.directory(i) for i in range(self.max_nodes + 2))
             if self.failover
             else (),
         )
+
+    def directory(self, index: int) -> str:
+        """Where node ``index``'s agent answers (``host:port``; from the machine's namespace
+        only without :attr:`netns`)."""
+        return f"{self.host(index)}:{self._directory_port(index)}"
 
     def _directory_port(self, index: int) -> int:
         # A port space per node in namespaces (as pods have); one shared on 127.0.0.1.

@@ -563,7 +563,19 @@ class DDPJobStatus(_Model):
     ready_replicas: Annotated[
         int, Field(ge=0, description="Pods whose agent runs its workers.")
     ] = 0
-    world_size: Annotated[int, Field(ge=0, description="Worker processes in the live world.")] = 0
+    world_size: Annotated[
+        int,
+        Field(ge=0, description="Worker processes in the world that trains now (0: none does)."),
+    ] = 0
+    store_host: Annotated[
+        str | None,
+        Field(
+            description=(
+                "The pod that hosts the rendezvous store now, as its agent says (pod 0 at "
+                "first, a survivor after a failover); unset while unknown."
+            )
+        ),
+    ] = None
     restarts: Annotated[
         int, Field(ge=0, description="Pods replaced after a failure, all reasons.")
     ] = 0

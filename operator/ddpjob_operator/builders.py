@@ -187,13 +187,16 @@ def network_policy_name(job_name: str) -> str:
 
 def build_network_policy(job: api.DDPJob) -> JSON:
     """A NetworkPolicy for the job's pods: they accept anything from pods of the same job, and
-    from anywhere else only the ports the template declares, never the rendezvous port.
+    from anywhere else only the ports the template declares and the agents' directory port,
+    never the rendezvous port.
 
     It protects the c10d TCPStore (no authentication: anyone who reaches it can join or break
-    the rendezvous) and the gloo/NCCL ports, which are picked at random.
+    the rendezvous) and the gloo/NCCL ports, which are picked at random. The directory port
+    only answers one line of JSON per connection (which store the job uses, what the agent
+    does) and reads nothing: the operator asks it (``--ask-agents``).
     """
     rdzv_port = job.spec.rendezvous.port
-    declared: list[JSON] = []
+    declared: list[JSON] = [{"port": CLUSTER.directory_port(job, 0), "protocol": "TCP"}]
     for container in job.spec.template.spec.model_dump(by_alias=True)["containers"]:
         for port in container.get("ports") or []:
             number = port.get("containerPort")

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from ddpjob_operator import api, builders
+from ddpjob_operator import agents, api, builders
 from ddpjob_operator.errors import SpecError
 from ddpjob_operator.kube import ApiError, ConflictError, KubeApi
 from ddpjob_operator.metrics import Metrics
@@ -104,6 +104,9 @@ class OperatorConfig:
     """Operator-wide defaults for jobs, from ``ddpjob operator``'s flags."""
 
     network_policy: bool = False
+    ask_agents: bool = False
+    """Ask the pods' agents what they do (:mod:`~ddpjob_operator.agents`): the operator must
+    reach the pods' addresses."""
     security_profile: api.SecurityProfile = api.SecurityProfile.BASELINE
 
 
@@ -263,6 +266,9 @@ class Controller:
         expected = self._expected.setdefault(key, Expectations())
         expected.prune(time.monotonic(), (r.observed for r in records.values()))
         seen = tuple(r.observed for r in records.values())
+        if self.config.ask_agents:
+            port = builders.CLUSTER.directory_port(job, 0)
+            seen = agents.apply(seen, await agents.ask_pods(seen, port))
         observed = Observed(seen + expected.pending_pods(_index_of), service())
         decision = reconcile(
             job,
@@ -297,6 +303,8 @@ class Controller:
         for event in decision.events:
             emit(event.type, event.reason, event.message)
         _log_decision(logger, decision)
+        if self.config.ask_agents and any(p.live for p in seen):
+            return min(decision.requeue_after or agents.ASK_EVERY_SECONDS, agents.ASK_EVERY_SECONDS)
         return decision.requeue_after
 
     async def _write_status(self, key: Key, raw: JSON, status: JSON) -> None:

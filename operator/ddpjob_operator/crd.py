@@ -148,6 +148,7 @@ PRINTER_COLUMNS = [
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "World", "type": "integer", "jsonPath": ".status.worldSize"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+    {"name": "Store", "type": "string", "jsonPath": ".status.storeHost", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -135,6 +135,10 @@ class ObservedPod:
     sidecars_running: bool = False
     owner_uid: str | None = None
     started: bool = True
+    ip: str | None = None
+    store_host: bool = False
+    """Its agent says it hosts the job's rendezvous store (generation ``store_gen``)."""
+    store_gen: int = 0
 
     @property
     def live(self) -> bool:
@@ -342,6 +346,7 @@ def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
         disruption=disruption,
         message=str(status.get("message") or ended.get("message") or "")[:500],
         node=spec.get("nodeName"),
+        ip=status.get("podIP") or None,
         waiting_reason=waiting_reason,
         waiting_message=waiting_message[:500],
         sidecars_running=phase.terminated and not k8s_phase.terminated,

@@ -538,6 +538,7 @@ def _finish(
             "below_min_since": None,
             "ready_replicas": 0,
             "world_size": 0,
+            "store_host": None,
         }
     )
     kind: Literal["Normal", "Warning"] = (
@@ -630,6 +631,7 @@ def _suspend(
             "replicas": sum(p.live for p in pods),
             "ready_replicas": 0,
             "world_size": 0,
+            "store_host": None,
             "waiting": [],
             "accounted_pods": accounted,
         }
@@ -642,6 +644,15 @@ def _world_size(job: api.DDPJob, live: Sequence[ObservedPod]) -> int:
     if reported:
         return max(reported)
     return sum(p.ready for p in live) * builders.nproc_per_node(job.spec)
+
+
+def _store_host(live: Sequence[ObservedPod]) -> str | None:
+    """The live pod whose agent says it hosts the store; of two (an old host that has not yet
+    heard that it was superseded), the one of the newer generation."""
+    hosts = [p for p in live if p.store_host]
+    if not hosts:
+        return None
+    return max(hosts, key=lambda p: (p.store_gen, -p.index)).name
 
 
 def _phase(
@@ -946,6 +957,7 @@ def reconcile(
             "replicas": len(live),
             "ready_replicas": sum(p.ready for p in live),
             "world_size": _world_size(job, live),
+            "store_host": _store_host(live),
             "accounted_pods": accounted,
         }
     )

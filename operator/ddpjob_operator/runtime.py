@@ -72,6 +72,13 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
         "(a job's spec.networkPolicy overrides this)",
     )
     parser.add_argument(
+        "--ask-agents",
+        action="store_true",
+        help="ask the pods' agents what they do (they answer on the rendezvous port + 1), so "
+        "that status.worldSize is the world that trains now and status.storeHost names the "
+        "store's host; the operator must reach the pods' addresses",
+    )
+    parser.add_argument(
         "--security-profile",
         choices=[p.value for p in api.SecurityProfile],
         default=api.SecurityProfile.BASELINE.value,
@@ -121,6 +128,7 @@ def run_operator(args: argparse.Namespace) -> int:
         metrics.serve(args.metrics_port)
     config = OperatorConfig(
         network_policy=args.network_policy,
+        ask_agents=args.ask_agents,
         security_profile=api.SecurityProfile(args.security_profile),
     )
     peering = args.peering

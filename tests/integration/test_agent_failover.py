@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from ddpjob_worker import liveness
 from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
 from ddpjob_worker.state import Phase
 from tests.e2e.test_kind_operator import PodLog, lineage_problems, rank0_runs
@@ -145,6 +146,18 @@ def carried_on(cluster: Cluster, survivors: list[Node]) -> None:
         state = node.state()
         assert state.restart_count == 0, state
         assert state.store_recoveries == 1, state
+        # What the operator reads (--ask-agents) and the local runner's status shows.
+        assert (state.store_host, state.store_gen) == (node in hosts, 2), state
+        answer = liveness.ask(cluster.directory(node.index))
+        assert answer.info is not None, answer
+        said = {key: answer.info.get(key) for key in ("index", "phase", "world", "host", "gen")}
+        assert said == {
+            "index": node.index,
+            "phase": "running",
+            "world": 2,
+            "host": node in hosts,
+            "gen": 2,
+        }, said
 
 
 def test_the_store_hosts_death_costs_a_rejoin_around_a_survivor(

@@ -487,7 +487,7 @@ def test_network_policy_by_flag_and_per_job_override(world: OperatorEnv) -> None
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert policy["spec"]["ingress"] == [
         {"from": [{"podSelector": {"matchLabels": {"ddpjob.io/job-name": "upsilon"}}}]},
-        {"ports": [{"port": 6006, "protocol": "TCP"}]},
+        {"ports": [{"port": 29401, "protocol": "TCP"}, {"port": 6006, "protocol": "TCP"}]},
     ]
     wait_for(lambda: len(world.pods("phi")) == 2, "phi's pods")
     assert (

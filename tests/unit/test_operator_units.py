@@ -56,11 +56,13 @@ def test_network_policy_never_opens_the_rendezvous_port() -> None:
     policy = builders.build_network_policy(job(template=template))
     assert policy["metadata"]["name"] == "demo-ddpjob"
     assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+    directory = {"port": 29401, "protocol": "TCP"}  # the agents' answers, read by the operator
     assert policy["spec"]["ingress"][1] == {
-        "ports": [{"port": 8080, "protocol": "TCP"}, {"port": 9100, "protocol": "TCP"}]
+        "ports": [directory, {"port": 8080, "protocol": "TCP"}, {"port": 9100, "protocol": "TCP"}]
     }
     assert builders.build_network_policy(job())["spec"]["ingress"] == [
-        {"from": [{"podSelector": {"matchLabels": {api.LABEL_JOB: "demo"}}}]}
+        {"from": [{"podSelector": {"matchLabels": {api.LABEL_JOB: "demo"}}}]},
+        {"ports": [directory]},
     ]
 
 

@@ -38,6 +38,7 @@ torch's own code.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -115,10 +116,12 @@ from ddpjob_worker.rendezvous import (
     ident,
     seed_incarnation,
 )
-from ddpjob_worker.state import Failure, Phase, StateWriter
+from ddpjob_worker.state import AgentState, Failure, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.agent")
 _T = TypeVar("_T")
+_Look = tuple["concurrent.futures.Future[StoreAnswer | None]", str | None]
+"""A look for a newer store (:meth:`DdpjobAgent._better_store`) and the store it started from."""
 
 WATCH_ALL_UP_TO = 16
 """Rounds of up to this many other members: every agent asks every other one. In larger rounds
@@ -190,6 +193,8 @@ class DdpjobAgent(LocalElasticAgent):
         self._round_over: frozenset[str] = frozenset()  # why peers said our round is over
         self._stop_seconds: float = RESTART_STOP_SECONDS
         self._liveness: liveness.Listener | None = None
+        self._said: dict[str, Any] = {"v": 1}  # our liveness answer's store part
+        state.on_update = self._answer
         # we host the store we use now
         self._hosting = bool(settings.is_host) if hosting is None else hosting
         self._gen = gen  # that store's generation
@@ -205,6 +210,8 @@ class DdpjobAgent(LocalElasticAgent):
         self._host_node: str | None = None  # the store host's node (repr), as it published
         self._host_address: str | None = None  # its liveness address
         self._dropped: frozenset[str] = frozenset()  # silent peers dropped at this tick
+        self._asker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._superseding: _Look | None = None
         self._fast = self._attach(spec.rdzv_handler)
         self._warm: warm.WarmPool | None = None
         if settings.warm_workers and isinstance(spec.entrypoint, str):
@@ -240,18 +247,36 @@ class DdpjobAgent(LocalElasticAgent):
 
     def _say(self, *, orphan: bool = False) -> None:
         """What our liveness socket answers: which store we use (none while we look for
-        one), its generation, and whether a round completed on it."""
+        one), its generation, and whether a round completed on it; and, in the state file
+        too, whether we host it."""
+        if self._liveness is not None:
+            self._said = {
+                "v": 1,
+                "run": self._params.run_id,
+                "index": self._settings.pod_index,
+                "gen": self._gen,
+                "store": None if orphan else self._store_address,
+                "established": self._store_rounds > 0 and not orphan,
+                "host": self._hosting and not orphan,
+                "host_at": None if orphan else self._host_at(),
+            }
+        hosting, gen = self._hosting and not orphan, 0 if orphan else self._gen
+        if (self._state.state.store_host, self._state.state.store_gen) != (hosting, gen):
+            self._state.update(store_host=hosting, store_gen=gen)  # answers through _answer
+        else:
+            self._answer(self._state.state)
+
+    def _answer(self, state: AgentState) -> None:
+        """Our liveness answer: what :meth:`_say` said, and where the agent is (its phase, and
+        the world it trains in, 0 when it does not), read by peers and by the operator."""
         if self._liveness is None:
             return
+        training = state.phase is Phase.RUNNING
         self._liveness.info = {
-            "v": 1,
-            "run": self._params.run_id,
-            "index": self._settings.pod_index,
-            "gen": self._gen,
-            "store": None if orphan else self._store_address,
-            "established": self._store_rounds > 0 and not orphan,
-            "host": self._hosting and not orphan,
-            "host_at": None if orphan else self._host_at(),
+            **self._said,
+            "phase": state.phase.value,
+            "world": (state.world_size or 0) if training else 0,
+            "round": state.rdzv_round,
         }
 
     def _host_at(self) -> str | None:
@@ -1096,42 +1121,62 @@ class DdpjobAgent(LocalElasticAgent):
         logger.info("joined the rendezvous store, generation %d, at %s", found.gen, found.store)
 
     def _check_superseded(self) -> None:
-        """While our join waits: if the last round's members name a better store
-        (:class:`ddpjob_worker.policy.StoreAnswer`'s order), ours is superseded, provided the
-        store is alive: its host answers as its host, or a majority of the last round's members
-        name it. Never a store that is lost, as a peer that has not noticed yet may still name
-        it (alone)."""
+        """While our join waits (about once a second): act on what the last look found
+        (:meth:`_better_store`), and start the next look. Looks run on a helper thread, so the
+        join's polling never waits on a silent member's question (0.5 s each)."""
+        pending = self._superseding
+        if pending is not None:
+            look, store = pending
+            if not look.done():
+                return
+            self._superseding = None
+            found = look.result()
+            if found is not None and store == self._store_address:
+                raise SupersededError(found)
         if not self._addresses:
             return
-        me = ident(self._fast.node) if self._fast is not None else ""
-        peers = {node: address for node, address in self._addresses.items() if node != me}
-        answers = [
-            answer.info
-            for answer in liveness.ask_all(peers).values()
-            if answer.info is not None and answer.info.get("store") != self._store_address
-        ]
-        mine = (self._store_rounds > 0, self._gen)
-        named = [best_store([info], self._params.run_id) for info in answers]
-        better = sorted(
-            {found for found in named if found and (found.established, found.gen) > mine},
-            reverse=True,
-        )
-        for found in better:
-            votes = sum(1 for other in named if other == found)
-            if 2 * votes > len(self._addresses):
-                raise SupersededError(found)
-            hosts = {other.host_at for other in named if other == found and other.host_at}
-            for host_at in hosts:
-                info = liveness.ask(host_at).info or {}
-                if info.get("host") and info.get("store") == found.store:
-                    raise SupersededError(found)
-            logger.info(
-                "generation %d at %s is named by %d of %d, and its host does not answer",
-                found.gen,
-                found.store,
-                votes,
-                len(self._addresses),
+        if self._asker is None:
+            self._asker = concurrent.futures.ThreadPoolExecutor(1, "ddpjob-superseded")
+        self._superseding = (self._asker.submit(self._better_store), self._store_address)
+
+    def _better_store(self) -> StoreAnswer | None:
+        """If the last round's members name a better store (:class:`StoreAnswer`'s order), ours
+        is superseded, provided that store is alive: its host answers as its host, or a
+        majority of the last round's members name it. Never a store that is lost, as a peer
+        that has not noticed yet may still name it (alone)."""
+        try:
+            me = ident(self._fast.node) if self._fast is not None else ""
+            peers = {node: address for node, address in self._addresses.items() if node != me}
+            answers = [
+                answer.info
+                for answer in liveness.ask_all(peers).values()
+                if answer.info is not None and answer.info.get("store") != self._store_address
+            ]
+            mine = (self._store_rounds > 0, self._gen)
+            named = [best_store([info], self._params.run_id) for info in answers]
+            better = sorted(
+                {found for found in named if found and (found.established, found.gen) > mine},
+                reverse=True,
             )
+            for found in better:
+                votes = sum(1 for other in named if other == found)
+                if 2 * votes > len(self._addresses):
+                    return found
+                hosts = {other.host_at for other in named if other == found and other.host_at}
+                for host_at in hosts:
+                    info = liveness.ask(host_at).info or {}
+                    if info.get("host") and info.get("store") == found.store:
+                        return found
+                logger.info(
+                    "generation %d at %s is named by %d of %d, and its host does not answer",
+                    found.gen,
+                    found.store,
+                    votes,
+                    len(self._addresses),
+                )
+        except Exception:  # a look must never take the join down
+            logger.exception("could not look for a newer store")
+        return None
 
     def _old_host_silent(self, host: str, port: int) -> bool:
         """Whether the endpoint still leads to the store host we lost and that host is silent

@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,11 @@ class AgentState:
     """Times the agent rebuilt its rendezvous handler after losing the store host."""
     max_restarts: int = 0
     last_failure: Failure | None = None
+    store_host: bool = False
+    """This agent hosts the rendezvous store its group uses (pod 0 at first; after a failover,
+    the survivor that took over)."""
+    store_gen: int = 0
+    """The generation of the store this agent uses (0: none yet, or it is looking for one)."""
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -158,9 +164,13 @@ class StateWriter:
             max_restarts=max_restarts,
         )
         self._warned = False
+        self.on_update: Callable[[AgentState], None] | None = None
+        """Called with every new state (the agent's liveness answer follows it)."""
 
     def update(self, **changes: Any) -> AgentState:
         self.state = dataclasses.replace(self.state, updated_at=time.time(), **changes)
+        if self.on_update is not None:
+            self.on_update(self.state)
         if self.path:
             try:
                 write_state(self.path, self.state)

@@ -450,6 +450,8 @@ class LocalPod:
             message=f"logs: {self.log_path}" if code not in (None, 0) else "",
             node="localhost",
             world_size=state.world_size if state is not None and running else None,
+            store_host=state is not None and state.store_host and self.frozen_since is None,
+            store_gen=state.store_gen if state is not None else 0,
         )
 
     def all_processes(self) -> list[psutil.Process]:

@@ -47,10 +47,11 @@ def _pod_phase(pod: LocalPod) -> str:
 def _headline(job: api.DDPJob, progress: Progress, elapsed: float) -> str:
     status = job.status
     step = "-" if progress.step is None else str(progress.step)
+    store = f"  store {status.store_host}" if status.store_host else ""
     return (
         f"{job.name}: {status.phase.value}  world {status.world_size}  "
         f"pods {status.ready_replicas}/{desired_replicas(job.spec)} ready  "
-        f"replaced {status.restarts}  step {step}  {elapsed:.0f}s"
+        f"replaced {status.restarts}{store}  step {step}  {elapsed:.0f}s"
     )
 
 
