@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from typing import Any
 import requests
 
 from tests.emulator import EmulatorProcess
+from tests.kube import network
 from tests.kube.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, KubeTest, wait_for
 
 __all__ = [
@@ -110,6 +112,8 @@ class OperatorEnv:
     health_port: int = 0
     starts: int = 0
     backend: str = "emulator"
+    prefix: tuple[str, ...] = ()
+    """What the operator's command runs under (``nsenter`` into a cluster's network)."""
 
     # ---- the operator process ---------------------------------------------------------------
 
@@ -123,6 +127,7 @@ class OperatorEnv:
         served = (self.namespace,) if namespaces is None else namespaces
         where = [arg for ns in served for arg in ("--namespace", ns)] or ["--all-namespaces"]
         argv = [
+            *self.prefix,
             DDPJOB,
             "operator",
             *where,
@@ -423,6 +428,19 @@ class RealEnv(OperatorEnv):
 
     def started(self, process: subprocess.Popen[bytes]) -> None:
         self.k.operators.append(process)
+
+    def in_cluster_network(self) -> None:
+        """Run the operator in the cluster's network (its hub namespace, where the pods'
+        addresses are), against the ``kubernetes`` Service's address as an operator pod would:
+        then ``--ask-agents`` reaches the agents. Call before :meth:`start_operator`."""
+        text = self.kubeconfig.read_text()
+        server = re.search(r"server: (\S+)", text)
+        assert server is not None, text
+        inside = self.kubeconfig.with_name(f"{self.kubeconfig.stem}.hub.kubeconfig")
+        service = f"https://{network.API_SERVICE_IP}:{network.API_SERVICE_PORT}"
+        inside.write_text(text.replace(server[1], service))
+        self.kubeconfig = inside
+        self.prefix = ("nsenter", f"--net={self.k.cluster.hub}", "--")
 
     def api(self, method: str, path: str, body: Any = None, **kw: Any) -> requests.Response:
         return self.k.request(method, path, body, **kw)

@@ -376,7 +376,7 @@ def test_a_frozen_node_is_silent_and_its_kubelet_kills_what_was_deleted_meanwhil
     ticker = "while true; do echo tick; sleep 0.1; done"
     created = create(kube, pod("frozen", "sh", "-c", ticker, nodeName=victim))
     uid = created["metadata"]["uid"]
-    running = phase(kube, "frozen", "Running")
+    started = phase(kube, "frozen", "Running")
     node_ip = (kube.get(f"/api/v1/nodes/{victim}") or {})["status"]["addresses"][0]["address"]
     with socket.create_connection((node_ip, 10250), timeout=5):
         pass  # the kubelet's log server answers before the freeze
@@ -387,7 +387,7 @@ def test_a_frozen_node_is_silent_and_its_kubelet_kills_what_was_deleted_meanwhil
     pods = [psutil.Process(pid) for pid in stopped[1:]]
     assert pods, "the pod's processes were not found in the node's PID namespace"
     assert all(p.status() == psutil.STATUS_STOPPED for p in [psutil.Process(stopped[0]), *pods])
-    pod_ip = running["status"]["podIP"]
+    pod_ip = started["status"]["podIP"]
     connects: dict[
         str, Callable[[], socket.socket]
     ] = {  # the node's address from the machine's namespace, the pod's from the hub's
