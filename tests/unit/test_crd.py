@@ -103,8 +103,11 @@ def test_subresources_columns_and_names() -> None:
         "Ready",
         "World",
         "Restarts",
+        "Store",  # -o wide only (priority 1)
         "Age",
     ]
+    store = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Store")
+    assert (store["jsonPath"], store["priority"]) == (".status.storeHost", 1)
     assert spec["names"]["shortNames"] == ["ddpj"]
     assert (spec["group"], version["name"], spec["names"]["plural"]) == (
         "ddpjob.io",
