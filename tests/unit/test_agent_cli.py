@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +74,38 @@ def test_store_sharing_is_off_unless_the_user_chose(before: dict[str, str], afte
     env = dict(before)
     apply_env_defaults(env)
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == after
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_a_sigterm_while_the_agent_starts_is_a_stop(tmp_path: Path) -> None:
+    """Once the agent handles SIGTERM it is still importing torch and starting its early
+    spares (seconds, longer on a loaded node): a SIGTERM then must exit 143 like any stop, not
+    1 from an uncaught exception, which ``restartPolicy: ExitCode`` takes for a permanent
+    failure (review finding 12)."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit(0)\n")
+    state = tmp_path / "state.json"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "ddpjob_worker.cli", "--nnodes=1", "--nproc-per-node=1",
+         "--state-file", str(state), str(script)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not catches(agent.pid, signal.SIGTERM):
+            assert agent.poll() is None and time.monotonic() < deadline, agent.stderr
+            time.sleep(0.001)
+        agent.send_signal(signal.SIGTERM)
+        _, stderr = agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+    assert agent.returncode == 143, stderr
+    assert "Traceback" not in stderr, stderr

@@ -268,10 +268,10 @@ def test_the_agent_starts_early_spares_before_its_own_imports_unless_they_cannot
 ) -> None:
     asked: list[int] = []
 
-    def start_early(n: int) -> list[warm.Spare]:
+    def start_early(n: int, into: list[warm.Spare]) -> list[warm.Spare]:
         asked.append(n)
-        return []
+        return into
 
     monkeypatch.setattr(warm, "start_early", start_early)
-    cli._early_spares(argv, env)
+    cli._early_spares(argv, env, [])
     assert asked == ([count] if count else [])

@@ -167,15 +167,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exit_now(EXIT_USAGE)
     apply_env_defaults(os.environ)
     signals.install()
-
-    # Before torch's own import below: the first workers' imports overlap ours.
-    early = _early_spares(argv, os.environ)
+    early: list[warm.Spare] = []
+    writer: StateWriter | None = None
     try:
+        # Before torch's own import below: the first workers' imports overlap ours.
+        _early_spares(argv, os.environ, early)
         args = build_parser().parse_args(argv)
         state_file = args.state_file or os.environ.get(DDPJOB_STATE_FILE) or None
         writer = StateWriter(state_file, max_restarts=args.max_restarts)
         writer.update(phase=Phase.WAITING)
         code = _main(args, writer, early)
+    except Exception:
+        # A SIGTERM before the agent runs (torch's import, the early spares, the settings) is
+        # a stop like any other: 143, never the 1 of an uncaught exception, which
+        # restartPolicy: ExitCode would take for a permanent failure.
+        if not signals.stopping():
+            raise
+        logger.warning("stopped by a signal while starting")
+        if writer is not None:
+            writer.update(phase=Phase.STOPPED)
+        code = EXIT_STOPPED
     finally:
         for spare in early:  # the agent has handed them over or killed them, unless it failed
             if spare.proc.stdin is not None and not spare.proc.stdin.closed:
@@ -184,18 +195,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _exit_now(code)
 
 
-def _early_spares(argv: Sequence[str], env: Mapping[str, str]) -> list[warm.Spare]:
-    """Warm workers for the first group (:func:`warm.start_early`), one per
+def _early_spares(argv: Sequence[str], env: Mapping[str, str], into: list[warm.Spare]) -> None:
+    """Warm workers for the first group (:func:`warm.start_early`) into ``into``, one per
     ``PET_NPROC_PER_NODE`` (1 when it is not a number), unless they are off or cannot be used."""
     if {"-h", "--help", "--no-python", "--no_python"} & set(argv) or env.get("PET_NO_PYTHON"):
-        return []
+        return
     try:
         if not parse_bool(env.get(DDPJOB_WARM_WORKERS, "").strip() or "1"):
-            return []
+            return
     except ValueError:
-        return []  # resolve_settings reports it, naming the variable
+        return  # resolve_settings reports it, naming the variable
     nproc = env.get(PET_NPROC_PER_NODE, "").strip()
-    return warm.start_early(int(nproc) if nproc.isdigit() and int(nproc) > 0 else 1)
+    warm.start_early(int(nproc) if nproc.isdigit() and int(nproc) > 0 else 1, into)
 
 
 def _torch_ok(argv: Sequence[str]) -> bool:

@@ -21,15 +21,22 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _stopping = False
 
 
-def _raise_signal(signum: int, frame: FrameType | None) -> None:
-    from torch.distributed.elastic.multiprocessing import SignalException
+class StoppedWhileStartingError(Exception):
+    """A stop signal that came while torch itself was being imported (the agent's start-up):
+    torch's ``SignalException`` cannot be imported from a half-imported torch."""
 
+
+def _raise_signal(signum: int, frame: FrameType | None) -> None:
     global _stopping  # noqa: PLW0603
     if _stopping:
         return
     _stopping = True
     ignore()
     sigval = signal.Signals(signum)
+    try:
+        from torch.distributed.elastic.multiprocessing import SignalException
+    except Exception as exc:  # the signal interrupted torch's own import
+        raise StoppedWhileStartingError(f"got {sigval.name} while starting") from exc
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 

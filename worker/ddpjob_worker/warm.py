@@ -130,11 +130,12 @@ def start_spare(
     return Spare(proc, env)
 
 
-def start_early(count: int) -> list[Spare]:
+def start_early(count: int, spares: list[Spare] | None = None) -> list[Spare]:
     """``count`` spares started by ``ddpjob-agent`` before it imports torch itself, so that the
     first workers' imports overlap the agent's own start-up (a replacement pod's, above all).
-    The agent adopts them (:meth:`WarmPool.adopt`) or kills them."""
-    spares = []
+    The agent adopts them (:meth:`WarmPool.adopt`) or kills them. Each is added to ``spares``
+    as soon as it starts, so a signal in between loses none."""
+    spares = [] if spares is None else spares
     for _ in range(count):
         spare = start_spare()
         if spare is None:
