@@ -263,6 +263,83 @@ def test_one_faulty_pod_is_charged_and_replaced_alone(make_cluster: MakeCluster)
     assert nodes[0].resumes()[-1][0] > 0, "resumed from a checkpoint"
 
 
+def test_with_no_restart_left_a_member_that_dies_whole_is_nobodys_charge(
+    make_cluster: MakeCluster,
+) -> None:
+    # maxRestarts 0 and pod 1 SIGKILLed whole (a lost node, an OOM of the pod): it never
+    # reports a failure. The survivors' workers fail on the broken collective; the earliest of
+    # them used to be taken for the root cause after the settle window and give up with its
+    # worker's exit code 1, which restartPolicy: ExitCode makes the end of the job (review
+    # finding 3). A member that is gone makes it a membership change: both carry on at world 2.
+    cluster = make_cluster(min_nodes=2, max_nodes=3, max_restarts=0)
+    nodes = [cluster.start(i, train_args(60, sleep=0.05)) for i in range(3)]
+    for node in nodes:
+        wait_until(f"step 5 on node {node.index}", reached(node, 5), 120)
+    nodes[1].kill_node()
+    survivors = [nodes[0], nodes[2]]
+    finish_ok(cluster, survivors, 180)
+    for node in survivors:
+        state = node.state()
+        assert state.restart_count == 0, state
+        assert node.resumes()[-1][2] == 2, node.resumes()  # the last run at world 2
+    assert "the root cause" not in cluster.logs(), cluster.logs()
+
+
+def drop_the_round(cluster: Cluster) -> None:
+    """Do to the rendezvous state what a newcomer's sync does once every member's heartbeat
+    has lapsed: torch's sanitizer removes them all, and the empty round gives way to the next,
+    open one."""
+    import pickle  # noqa: PLC0415
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: PLC0415
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (  # noqa: PLC0415
+        C10dRendezvousBackend,
+        _create_tcp_store,
+    )
+
+    params = RendezvousParameters(
+        "c10d", f"127.0.0.1:{cluster.port}", cluster.run_id, 1, 3, is_host="false"
+    )
+    store = _create_tcp_store(params)
+    backend = C10dRendezvousBackend(store, cluster.run_id)
+    for _ in range(20):
+        current = backend.get_state()
+        assert current is not None
+        state = pickle.loads(current[0])
+        state.participants.clear()
+        state.wait_list.clear()
+        state.last_heartbeats.clear()
+        state.round += 1
+        state.complete, state.deadline = False, None
+        written = backend.set_state(pickle.dumps(state), current[1])
+        if written is not None and written[2]:
+            return
+    raise AssertionError("could not write the rendezvous state")
+
+
+def test_members_dropped_from_their_round_rejoin_and_the_newcomer_trains_with_them(
+    make_cluster: MakeCluster,
+) -> None:
+    # torch's store server looks up every new client's name on its one thread: with a DNS
+    # that does not answer it stalls for 10 s (two 5 s tries), every member's heartbeat lapses,
+    # and the newcomer's sync drops them all and opens the next round, which it then waits in
+    # alone. torch's agents train on in a round the state no longer has, and never see anyone
+    # waiting. Ours notice they are out of it, rejoin, and the newcomer trains with them.
+    cluster = make_cluster(min_nodes=2, max_nodes=3)
+    nodes = [cluster.start(i, train_args(120, sleep=0.05)) for i in range(2)]
+    for node in nodes:
+        wait_until(f"world 2 on node {node.index}", reached(node, 5, world=2), 120)
+    drop_the_round(cluster)
+    newcomer = cluster.start(2, train_args(120, sleep=0.05))
+    everyone = [*nodes, newcomer]
+    for node in everyone:
+        wait_until(f"world 3 on node {node.index}", reached(node, 0, world=3), 90)
+    for node in nodes:
+        assert "no longer has us in our round" in node.text(), node.text()
+    finish_ok(cluster, everyone, 180)
+    assert all(node.state().restart_count == 0 for node in everyone)
+
+
 def test_a_peer_failing_milliseconds_after_the_crash_is_still_collateral(
     make_cluster: MakeCluster,
 ) -> None:

@@ -109,6 +109,7 @@ from ddpjob_worker.policy import (
     successor,
 )
 from ddpjob_worker.rendezvous import (
+    END_DROPPED,
     END_FAILURE,
     END_JOIN,
     END_LEAVE,
@@ -517,10 +518,27 @@ class DdpjobAgent(LocalElasticAgent):
             except (RuntimeError, OSError) as exc:
                 return self._store_trouble(exc)
             verdict = settled(reports, node, nodes)
+            if verdict is None and time.monotonic() >= deadline and self._member_gone():
+                # A member that died whole (SIGKILL, OOM, a lost node) never reports: the
+                # round broke because it is gone, a membership change that is nobody's charge.
+                self._log_reports(reports, node, collateral=True)
+                logger.info("a member of the round is gone without a report: not our failure")
+                return True, False
             if verdict is not None or time.monotonic() >= deadline:
                 self._log_reports(reports, node, collateral=bool(verdict))
                 return bool(verdict), False
             time.sleep(0.05)
+
+    def _member_gone(self) -> bool:
+        """Whether a member of our round left, was found silent, or no longer listens."""
+        fast = self._fast
+        if fast is None:
+            return False
+        try:
+            gone, _ = fast.gone(fast.members)
+        except (RuntimeError, OSError):
+            return False
+        return bool(gone)
 
     def _settle(self, recovered: bool) -> None:
         """Charge the failure we restarted for, or not, now that the next round has formed."""
@@ -633,7 +651,13 @@ class DdpjobAgent(LocalElasticAgent):
             return 0, True
         if silent or dead:
             self._drop_silent(silent, dead)
-        if self._round_over:
+        if END_DROPPED in self._round_over:
+            logger.warning(
+                "the rendezvous no longer has us in our round (our heartbeats lapsed, and a "
+                "newcomer opened the next round): rejoining"
+            )
+            waiting = max(waiting, 1)
+        elif self._round_over:
             # A peer restarts or leaves: re-form now, not when our collective breaks.
             logger.info(
                 "a member of our round announced its end (%s): re-forming",

@@ -68,6 +68,11 @@ END_LEAVE = "leave"
 """A member leaves on SIGTERM: the group is broken."""
 END_JOIN = "join"
 """A node waits to join: the group is intact, the round only grows."""
+END_DROPPED = "dropped"
+"""We are no longer a participant of our round (read from the state, not announced): our
+heartbeats lapsed (a store that stalled, for one, as torch's store server does while it looks
+up a new client's name in a DNS that does not answer) and a newcomer's sync removed us and
+opened the next round. Training on would leave that newcomer waiting alone for good."""
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _State = Any  # torch's _RendezvousState (private, untyped)
 _REQUIRED = (
@@ -279,9 +284,15 @@ class FastRendezvous:
             self._store.append(self._over_key(), f"{reason};")
 
     def round_over(self) -> frozenset[str]:
-        """Why our round is over, as its members announced (empty: it is not); one small store
-        request while it is not."""
-        if self._round is None or not self._store.check([self._over_key()]):
+        """Why our round is over, as its members announced, or :data:`END_DROPPED` when the
+        state (as last synced: ``num_nodes_waiting`` syncs it) no longer has us in it; empty:
+        it is not over. One small store request while it is not."""
+        if self._round is None:
+            return frozenset()
+        state = self._holder.state
+        if state.round != self._round or self._node not in state.participants:
+            return frozenset({END_DROPPED})
+        if not self._store.check([self._over_key()]):
             return frozenset()
         raw = bytes(self._store.get(self._over_key())).decode(errors="replace")
         return frozenset(item for item in raw.split(";") if item)
