@@ -27,8 +27,9 @@ polling the training script's log lines every 20 ms:
   down (a partition: packets dropped, no reset): cut -> a step at world 2 on the two others;
 * ``master loss, no replacement``: 3 nodes (2:3), SIGKILL the store host's whole tree and do
   not start it again: kill -> a step at world 2 on nodes 1 and 2;
-* ``host handover``: 3 nodes (2:3), SIGTERM the store host's agent and do not start it again:
-  signal -> a step at world 2 on nodes 1 and 2;
+* ``host handover``: 3 nodes (2:3), each in a network namespace of its own (a port space per
+  node, as pods have), SIGTERM the store host's agent and do not start it again: signal -> a
+  step at world 2 on nodes 1 and 2;
 * ``step time``: steady-state ms/step with no sleep over 1,000 steps, once the group has run
   6 s (the agent is not in the hot path; its spares are idle by then).
 
@@ -301,6 +302,7 @@ def master_loss_no_replacement(cluster: Cluster, stock: bool) -> float:
 
 
 def host_handover(cluster: Cluster, stock: bool) -> float:
+    cluster.netns = True  # a port space per node, as pods have: the successor hosts on the port
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
     training(nodes)
     signalled = time.monotonic()

@@ -395,7 +395,10 @@ def test_the_healed_store_host_trains_no_further_step(
         uid = replacement["metadata"]["uid"]
         return bool(pod and pod["metadata"]["uid"] == uid) and 3 in worlds(logs, uid)
 
-    wait_for(joined, "the new pod 0 stepping at world 3", timeout=RECOVERY_TIMEOUT, every=0.5)
+    try:
+        wait_for(joined, "the new pod 0 stepping at world 3", timeout=RECOVERY_TIMEOUT, every=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{describe(env, logs)}\n{dump(logs)}") from None
     status = finished(env, logs)
     assert status.get("succeeded") == 3, status
     logs.finish()
