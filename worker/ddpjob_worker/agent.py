@@ -124,6 +124,8 @@ _T = TypeVar("_T")
 _Look = tuple["concurrent.futures.Future[StoreAnswer | None]", str | None]
 """A look for a newer store (:meth:`DdpjobAgent._better_store`) and the store it started from."""
 
+HOST_LOOK_SECONDS = 60.0
+"""How long the store's host waits on a look at its own store before it takes it as broken."""
 WATCH_ALL_UP_TO = 16
 """Rounds of up to this many other members: every agent asks every other one. In larger rounds
 each asks its next :data:`WATCH_NEIGHBOURS` in node order (a ring, so every member is asked by
@@ -676,6 +678,11 @@ class DdpjobAgent(LocalElasticAgent):
         runs on a daemon thread; one that never returns is abandoned with its client.
         """
         limit = self._settings.store_read_timeout or 10.0
+        if self._hosting:
+            # Our own store: its server runs in this process and answers unless it is stalled,
+            # as torch's is while it looks up a new client's name in a DNS that does not answer
+            # (10 s with glibc's defaults). Giving up on it would end the pod (exit 200).
+            limit = max(limit, HOST_LOOK_SECONDS)
         return _call_bounded(
             call,
             what,
