@@ -98,10 +98,11 @@ def apply(
 ) -> tuple[ObservedPod, ...]:
     """``pods`` as their agents describe them (see the module doc). An answer from another
     pod index (an address that a new pod took over) counts as no answer."""
+    index_of = {p.name: p.index for p in pods}
     valid = {
         name: answer
         for name, answer in answers.items()
-        if answer is not None and any(p.name == name and p.index == answer.index for p in pods)
+        if answer is not None and index_of.get(name) == answer.index
     }
     if not valid:
         return tuple(pods)

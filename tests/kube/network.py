@@ -198,11 +198,16 @@ def enter(path: Path | str) -> None:
     """Move the calling thread into the network namespace at ``path`` (for good)."""
     fd = os.open(str(path), os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc.setns(fd, CLONE_NEWNET) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns {path}: {os.strerror(error)}")
+        _setns(fd, str(path))
     finally:
         os.close(fd)
+
+
+def _setns(fd: int, what: str) -> None:
+    """Move the calling thread into the network namespace open at ``fd``."""
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"setns {what}: {os.strerror(error)}")
 
 
 @contextlib.contextmanager
@@ -215,9 +220,7 @@ def inside(path: Path | str) -> Iterator[None]:
         try:
             yield
         finally:
-            if _libc.setns(own, CLONE_NEWNET) != 0:
-                error = ctypes.get_errno()
-                raise OSError(error, f"setns back: {os.strerror(error)}")
+            _setns(own, "back")
     finally:
         os.close(own)
 

@@ -252,6 +252,7 @@ class DdpjobAgent(LocalElasticAgent):
         """What our liveness socket answers: which store we use (none while we look for
         one), its generation, and whether a round completed on it; and, in the state file
         too, whether we host it."""
+        hosting, gen = self._hosting and not orphan, 0 if orphan else self._gen
         if self._liveness is not None:
             self._said = {
                 "v": 1,
@@ -260,10 +261,9 @@ class DdpjobAgent(LocalElasticAgent):
                 "gen": self._gen,
                 "store": None if orphan else self._store_address,
                 "established": self._store_rounds > 0 and not orphan,
-                "host": self._hosting and not orphan,
+                "host": hosting,
                 "host_at": None if orphan else self._host_at(),
             }
-        hosting, gen = self._hosting and not orphan, 0 if orphan else self._gen
         if (self._state.state.store_host, self._state.state.store_gen) != (hosting, gen):
             self._state.update(store_host=hosting, store_gen=gen)  # answers through _answer
         else:

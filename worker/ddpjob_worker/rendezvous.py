@@ -94,7 +94,7 @@ INCARNATION_SHIFT = 20
 handlers (:func:`seed_incarnation`)."""
 
 
-def seed_incarnation(incarnation: int | None = None) -> int:
+def seed_incarnation() -> int:
     """Make every node descriptor this agent process makes unique to its life: torch's local
     id starts at a random ``incarnation << 20`` instead of 0.
 
@@ -107,8 +107,7 @@ def seed_incarnation(incarnation: int | None = None) -> int:
     generator = DynamicRendezvousHandler._node_desc_generator
     with generator._lock:
         if generator._local_id >> INCARNATION_SHIFT == 0:
-            chosen = incarnation if incarnation is not None else secrets.randbits(31) | 1
-            generator._local_id += chosen << INCARNATION_SHIFT
+            generator._local_id += (secrets.randbits(31) | 1) << INCARNATION_SHIFT
         return int(generator._local_id >> INCARNATION_SHIFT)
 
 
