@@ -33,7 +33,10 @@ polling the training script's log lines every 20 ms:
 * ``step time``: steady-state ms/step with no sleep over 1,000 steps, once the group has run
   6 s (the agent is not in the hot path; its spares are idle by then).
 
-Every scenario uses the DDPJob's default rendezvous timings (``spec.rendezvous``: 1 s heartbeats,
+Each fault comes once every node has trained 10 steps, ddpjob-agent's nodes have their warm
+spare ready (torch imported, as in a job that has run for a minute; their state files say so),
+and :data:`SETTLE_SECONDS` more have passed. Every scenario uses the DDPJob's default rendezvous
+timings (``spec.rendezvous``: 1 s heartbeats,
 5 missed for a lost node, a 2 s last call), for both launchers. ``--loaded`` runs a busy-loop
 process per core for the whole run, as a node whose CPUs the data loaders keep busy.
 
@@ -75,10 +78,15 @@ from tests.harness import STEP_RE, Cluster, Node
 
 POLL = 0.02
 SETTLE_SECONDS = 3.0
-"""How long a job trains before its fault: faults in a real job come minutes or hours in, not in
-its first second (that is a start-up failure). It also lets ddpjob-agent's warm workers (started
-3 s into a worker group, docs/agent.md) import torch; torchrun has nothing to use it for."""
+"""How long a job trains before its fault, once every node trains and (ddpjob-agent) has its
+warm spare ready: faults in a real job come minutes or hours in, not in its first seconds (that
+is a start-up failure). A fault while the spares still import torch costs up to their import
+(3.3 s instead of 0.5 s for the handover, measured on 2026-11-26)."""
 TIMEOUT = 120.0
+SPARES_TIMEOUT = 60.0
+"""How long ddpjob-agent's warm spares may take to import torch before a fault (they start 3 s
+into a worker group; on this 2-core machine, next to three training nodes, the import takes 2 to
+4 s)."""
 CAP_SECONDS = 60.0
 _cap = [CAP_SECONDS]  # --cap
 """The cap on the silent faults and on the store host lost for good: neither launcher recovered
@@ -166,15 +174,30 @@ def wait_step(nodes: list[Node], step: int) -> None:
     )
 
 
-def training(nodes: list[Node]) -> None:
-    """Wait until every node trains, then :data:`SETTLE_SECONDS` more (both launchers)."""
+def training(nodes: list[Node], stock: bool) -> None:
+    """Wait until every node trains and, under ddpjob-agent, has its warm spare ready (torch
+    imported; its state file says so), then :data:`SETTLE_SECONDS` more (both launchers)."""
     wait_step(nodes, 10)
+    if not stock:
+        first_time(
+            "warm spares ready",
+            lambda: all(spares_ready(n) for n in nodes),
+            nodes=nodes,
+            timeout=SPARES_TIMEOUT,
+        )
     time.sleep(SETTLE_SECONDS)
+
+
+def spares_ready(node: Node) -> bool:
+    try:
+        return node.state().spares_ready >= 1
+    except (OSError, ValueError):  # not written yet
+        return False
 
 
 def worker_kill(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(2)]
-    training(nodes)
+    training(nodes, stock)
     before = [len(n.resumes()) for n in nodes]
     victim = nodes[1].worker_pids()[0]
     killed = time.monotonic()
@@ -189,7 +212,7 @@ def worker_kill(cluster: Cluster, stock: bool) -> float:
 
 def node_loss(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     killed = time.monotonic()
     nodes[2].kill_node()
     survivors = nodes[:2]
@@ -203,7 +226,7 @@ def node_loss(cluster: Cluster, stock: bool) -> float:
 
 def master_loss(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     killed = time.monotonic()
     nodes[0].kill_node()
     master = cluster.start(0, args(400, 0.05), stock=stock)
@@ -218,7 +241,7 @@ def master_loss(cluster: Cluster, stock: bool) -> float:
 
 def graceful_leave(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     signalled = time.monotonic()
     os.kill(nodes[2].pid, signal.SIGTERM)
     survivors = nodes[:2]
@@ -232,7 +255,7 @@ def graceful_leave(cluster: Cluster, stock: bool) -> float:
 
 def host_drain(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     signalled = time.monotonic()
     os.kill(nodes[0].pid, signal.SIGTERM)
     nodes[0].wait_exit(TIMEOUT)
@@ -261,7 +284,7 @@ def world_2_after(survivors: list[Node], since: float) -> float:
 
 def node_freeze(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     frozen = time.monotonic()
     nodes[1].freeze()
     return world_2_after([nodes[0], nodes[2]], frozen)
@@ -269,7 +292,7 @@ def node_freeze(cluster: Cluster, stock: bool) -> float:
 
 def master_freeze(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     frozen = time.monotonic()
     nodes[0].freeze()
     return world_2_after(nodes[1:], frozen)
@@ -278,7 +301,7 @@ def master_freeze(cluster: Cluster, stock: bool) -> float:
 def node_partition(cluster: Cluster, stock: bool) -> float:
     cluster.netns = True  # each node in a network namespace of its own: a real cut
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     cut = time.monotonic()
     cluster.cut(1)
     return world_2_after([nodes[0], nodes[2]], cut)
@@ -287,7 +310,7 @@ def node_partition(cluster: Cluster, stock: bool) -> float:
 def master_partition(cluster: Cluster, stock: bool) -> float:
     cluster.netns = True
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     cut = time.monotonic()
     cluster.cut(0)
     return world_2_after(nodes[1:], cut)
@@ -295,7 +318,7 @@ def master_partition(cluster: Cluster, stock: bool) -> float:
 
 def master_loss_no_replacement(cluster: Cluster, stock: bool) -> float:
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     killed = time.monotonic()
     nodes[0].kill_node()
     return world_2_after(nodes[1:], killed)
@@ -304,7 +327,7 @@ def master_loss_no_replacement(cluster: Cluster, stock: bool) -> float:
 def host_handover(cluster: Cluster, stock: bool) -> float:
     cluster.netns = True  # a port space per node, as pods have: the successor hosts on the port
     nodes = [cluster.start(i, args(400, 0.05), stock=stock) for i in range(3)]
-    training(nodes)
+    training(nodes, stock)
     signalled = time.monotonic()
     os.kill(nodes[0].pid, signal.SIGTERM)
     return world_2_after(nodes[1:], signalled)

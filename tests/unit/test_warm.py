@@ -275,3 +275,73 @@ def test_the_agent_starts_early_spares_before_its_own_imports_unless_they_cannot
     monkeypatch.setattr(warm, "start_early", start_early)
     cli._early_spares(argv, env, [])
     assert asked == ([count] if count else [])
+
+
+GATED = """
+import os, time
+while not os.path.exists(os.environ["IMPORT_GATE"]):
+    time.sleep(0.02)
+"""
+
+FDS = """
+import json, os
+fds = {}
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        pass
+with open(os.environ["REPORT_TO"], "w") as f:
+    json.dump(fds, f)
+"""
+
+
+def test_a_spare_is_ready_once_its_imports_are_done_and_its_worker_inherits_no_pipe_of_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "slow_import.py").write_text(GATED)
+    gate, report = tmp_path / "gate", tmp_path / "fds.json"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("IMPORT_GATE", str(gate))
+    monkeypatch.setenv("REPORT_TO", str(report))
+    pool = WarmPool(1, preload=("slow_import",), after_seconds=0)
+    try:
+        pool.tick()
+        time.sleep(1.0)  # time enough to start and import anything but the gated module
+        assert pool.ready == 0
+        gate.touch()
+        deadline = time.monotonic() + 30
+        while pool.ready == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.ready == 1
+        script = tmp_path / "fds.py"
+        script.write_text(FDS)
+        proc = pool.take([PY, "-u", str(script)], dict(os.environ), redirected=False)
+        assert proc is not None and wait(proc) == 0
+        fds = json.loads(report.read_text())
+        # stdin (/dev/null after the handover), stdout, stderr and the listing's own: no pipe.
+        assert fds["0"] == os.devnull
+        assert not [link for fd, link in fds.items() if int(fd) > 2 and "pipe:" in link]
+        assert pool.ready == 0
+    finally:
+        pool.close()
+
+
+def test_a_spare_whose_import_fails_is_ready_and_its_worker_reports_the_failure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "broken_import.py").write_text("raise ImportError('no such library')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pool = WarmPool(1, preload=("broken_import",), after_seconds=0)
+    try:
+        pool.tick()
+        deadline = time.monotonic() + 30
+        while pool.ready == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.ready == 1  # nothing more to wait for: a cold worker would fail the same way
+        script = tmp_path / "imports.py"
+        script.write_text("import broken_import\n")
+        proc = pool.take([PY, "-u", str(script)], dict(os.environ), redirected=False)
+        assert proc is not None and wait(proc) == 1
+    finally:
+        pool.close()

@@ -311,8 +311,8 @@ class DdpjobAgent(LocalElasticAgent):
                 group, status, self._failed_at(result, noticed_at)
             )
             if action is Action.CONTINUE:
-                if self._warm is not None and status is WorkerStatus.HEALTHY:
-                    self._warm.tick()
+                if status is WorkerStatus.HEALTHY:
+                    self._tick_warm()
                 if time.monotonic() - last_write >= self._heartbeat_seconds:
                     self._state.update()
                     last_write = time.monotonic()
@@ -596,6 +596,13 @@ class DdpjobAgent(LocalElasticAgent):
         self._exit_clock.watch(pid for pid in ids.values() if isinstance(pid, int))
         return ids
 
+    def _tick_warm(self) -> None:
+        """Start missing spares, and say in the state how many are ready."""
+        if self._warm is not None:
+            self._warm.tick()
+            if self._warm.ready != self._state.state.spares_ready:
+                self._state.update(spares_ready=self._warm.ready)
+
     def close_warm(self) -> None:
         """Kill the idle warm workers (the agent ends, or its workers will not restart)."""
         if self._warm is not None:
@@ -606,6 +613,8 @@ class DdpjobAgent(LocalElasticAgent):
                     self._warm.cold_starts,
                 )
             self._warm.close()
+            if self._state.state.spares_ready:
+                self._state.update(spares_ready=0)
 
     def _poll_rendezvous(self) -> tuple[int, bool]:
         """``(nodes waiting to join, store lost)``, from one look at the rendezvous store and

@@ -97,11 +97,40 @@ def foreign_changes(spare_env: Mapping[str, str], worker_env: Mapping[str, str])
 
 
 class Spare:
-    """One idle spare process and the environment it started with."""
+    """One idle spare process and the environment it started with.
 
-    def __init__(self, proc: subprocess.Popen[bytes], env: dict[str, str]) -> None:
+    ``ready_fd`` is the read end of a pipe the spare writes one byte to once its imports are
+    done (:attr:`ready`); None: no such pipe, the spare counts as ready at once.
+    """
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], env: dict[str, str], ready_fd: int | None = None
+    ) -> None:
         self.proc = proc
         self.env = env
+        self._ready_fd = ready_fd
+        self._ready = ready_fd is None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the spare has imported what it preloads (never blocks)."""
+        if not self._ready and self._ready_fd is not None:
+            try:
+                os.read(self._ready_fd, 1)  # its byte, or b"" (it exited): it imports no more
+            except BlockingIOError:
+                return False
+            except OSError:
+                pass
+            self._ready = True
+            self.release()
+        return self._ready
+
+    def release(self) -> None:
+        """Close the agent's end of the readiness pipe (the spare is handed over or killed)."""
+        fd, self._ready_fd = self._ready_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -109,6 +138,7 @@ class Spare:
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
+        self.release()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
 
@@ -118,16 +148,32 @@ def start_spare(
 ) -> Spare | None:
     """Start one spare with the current environment, or None (logged) if it cannot start."""
     env = dict(os.environ)
-    command = [python, "-u", "-m", MODULE, "--preload", ",".join(preload)]
-    if label:
-        command.append(label)  # shows in ps; the real argv comes over stdin
     try:
-        proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, start_new_session=True)
+        ready_read, ready_write = os.pipe()  # both close-on-exec: only the spare gets its end
+        os.set_blocking(ready_read, False)
     except OSError as exc:
         logger.warning("could not start a warm worker (%s); workers start cold", exc)
         return None
+    command = [python, "-u", "-m", MODULE, "--preload", ",".join(preload)]
+    command += ["--ready-fd", str(ready_write)]
+    if label:
+        command.append(label)  # shows in ps; the real argv comes over stdin
+    try:
+        proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=(ready_write,),
+        )
+    except OSError as exc:
+        os.close(ready_read)
+        logger.warning("could not start a warm worker (%s); workers start cold", exc)
+        return None
+    finally:
+        os.close(ready_write)
     logger.debug("started warm worker pid %d", proc.pid)
-    return Spare(proc, env)
+    return Spare(proc, env, ready_read)
 
 
 def start_early(count: int, spares: list[Spare] | None = None) -> list[Spare]:
@@ -219,6 +265,7 @@ class WarmPool:
                 reason = f"the environment changed since the spare started ({', '.join(changed)})"
         if not reason and spare.proc.poll() is not None:
             reason = f"the spare exited ({spare.proc.returncode})"
+        spare.release()
         if not reason and argv is not None:
             try:
                 self._hand_over(spare, argv, env)
@@ -251,6 +298,11 @@ class WarmPool:
     def idle(self) -> list[int]:
         return [s.proc.pid for s in self._spares]
 
+    @property
+    def ready(self) -> int:
+        """Idle spares whose imports are done: a restart now starts that many workers warm."""
+        return sum(1 for s in self._spares if s.ready and s.proc.poll() is None)
+
 
 # -- the spare process -----------------------------------------------------------------------
 
@@ -270,13 +322,29 @@ def _stdin_to_devnull() -> None:
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
 
 
-def run(argv: Sequence[str]) -> None:
-    """Import torch, wait for a worker's argv and environment, and run it as ``__main__``.
+def _say_ready(fd: int | None) -> None:
+    """One byte on the readiness pipe, then close it: the worker must not inherit it."""
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.write(fd, b"1")
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
-    ``argv``: ``--preload mod1,mod2`` then, ignored, what the worker will run (for ``ps``).
+
+def run(argv: Sequence[str]) -> None:
+    """Import torch, say so, wait for a worker's argv and environment, and run it as
+    ``__main__``.
+
+    ``argv``: ``--preload mod1,mod2``, ``--ready-fd N`` (the pipe :attr:`Spare.ready` reads),
+    then, ignored, what the worker will run (for ``ps``).
     """
-    if len(argv) >= 2 and argv[0] == "--preload":
-        _preload([name for name in argv[1].split(",") if name])
+    options = dict(zip(argv[0::2], argv[1::2], strict=False))
+    ready_fd = int(options["--ready-fd"]) if "--ready-fd" in options else None
+    try:
+        _preload([name for name in options.get("--preload", "").split(",") if name])
+    finally:
+        _say_ready(ready_fd)
     data = sys.stdin.buffer.read()
     if not data:
         return  # the agent closed the pool or died
