@@ -158,6 +158,87 @@ class Rendezvous(_Model):
     ] = 5
 
 
+class PodBackoff(_Model):
+    """How long the next pod of an index waits after a failure of that index: the Job
+    controller's and the kubelet's CrashLoopBackOff schedule (10 s, doubling, at most 6 min,
+    reset after 10 min of running), here per pod index.
+
+    A failure that is charged to ``backoffLimit``, and one whose trainer never started (the
+    kubelet rejected the pod at admission), delay the index's next pod by
+    ``initialDelaySeconds * 2**(n-1)``, at most ``maxDelaySeconds``, where ``n`` counts such
+    failures of the index in a row. A pod of the index that runs ``resetAfterSeconds`` starts
+    the count over. Disruptions (preemption, eviction, node loss, deletion, a graceful stop)
+    are replaced at once, as ever.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": (
+                        "(has(self.initialDelaySeconds) ? self.initialDelaySeconds : 10) <= "
+                        "(has(self.maxDelaySeconds) ? self.maxDelaySeconds : 360)"
+                    ),
+                    "message": (
+                        "podBackoff.maxDelaySeconds must be >= initialDelaySeconds: raise "
+                        "maxDelaySeconds or lower initialDelaySeconds"
+                    ),
+                    "fieldPath": ".maxDelaySeconds",
+                }
+            ]
+        }
+    )
+
+    initial_delay_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            description=(
+                "Delay before the next pod of an index after its first failure in a row; it "
+                "doubles with each further one. 0: no delay (replace at once)."
+            ),
+        ),
+    ] = 10
+    max_delay_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            description=(
+                "The longest delay (the Job controller's 6 min; the kubelet's "
+                "crashLoopBackOff.maxContainerRestartPeriod)."
+            ),
+        ),
+    ] = 360
+    reset_after_seconds: Annotated[
+        int,
+        Field(
+            ge=0,
+            description=(
+                "A pod of the index that has run this long starts its count of failures in a "
+                "row over (the kubelet's 10 min)."
+            ),
+        ),
+    ] = 600
+
+    @pydantic.model_validator(mode="after")
+    def _check_cap(self) -> Self:
+        if self.max_delay_seconds < self.initial_delay_seconds:
+            raise ValueError(
+                f"maxDelaySeconds ({self.max_delay_seconds}) must be >= initialDelaySeconds "
+                f"({self.initial_delay_seconds}): raise maxDelaySeconds or lower "
+                "initialDelaySeconds"
+            )
+        return self
+
+    def delay(self, failures: int) -> float:
+        """Seconds the next pod waits after ``failures`` delayed failures in a row."""
+        if failures <= 0 or self.initial_delay_seconds == 0:
+            return 0.0
+        return float(
+            min(self.initial_delay_seconds * 2 ** min(failures - 1, 62), self.max_delay_seconds)
+        )
+
+
 # ---- the core/v1 objects of the template ------------------------------------------------------
 #
 # The CRD keeps every core/v1 field of the template (x-kubernetes-preserve-unknown-fields), but
@@ -392,6 +473,15 @@ class DDPJobSpec(_Model):
     suspend: Annotated[
         bool, Field(description="Delete every pod and keep the job; false resumes.")
     ] = False
+    pod_backoff: Annotated[
+        PodBackoff,
+        Field(
+            description=(
+                "Back-off between a failed pod and the next pod of its index (charged failures "
+                "and pods that never started; disruptions are replaced at once)."
+            )
+        ),
+    ] = PodBackoff()
     clean_pod_policy: CleanPodPolicy = CleanPodPolicy.RUNNING
     security_profile: Annotated[
         SecurityProfile | None,
@@ -542,13 +632,33 @@ class PodFailure(_Model):
 
 
 class PodWaiting(_Model):
-    """A pod of the job that cannot start yet, and why (image pull, scheduling, config)."""
+    """A pod of the job that cannot start yet, and why (image pull, scheduling, config; or
+    ``BackOff``: it is not created before ``retryTime``)."""
 
     model_config = ConfigDict(extra="ignore")
 
     pod: str
     reason: str
     message: str = ""
+    index: int | None = None
+    retry_time: Annotated[
+        dt.datetime | None,
+        Field(description="When the pod is created (reason BackOff)."),
+    ] = None
+
+
+class IndexBackoff(_Model):
+    """The back-off state of one pod index (see :class:`PodBackoff`): it lives in the status,
+    so that it survives an operator restart."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int
+    failures: Annotated[int, Field(ge=0, description="Delayed failures of this index in a row.")]
+    last_failure_time: Annotated[
+        dt.datetime,
+        Field(description="When the last of them ended (the pod's finish time, when known)."),
+    ]
 
 
 class DDPJobStatus(_Model):
@@ -601,6 +711,15 @@ class DDPJobStatus(_Model):
     waiting: Annotated[
         list[PodWaiting],
         Field(description="Pods that cannot start yet, with the reason (until the job has run)."),
+    ] = []
+    pod_backoff: Annotated[
+        list[IndexBackoff],
+        Field(
+            description=(
+                "Pod indices whose recent failures delay their next pod (spec.podBackoff), "
+                "lowest index first."
+            )
+        ),
     ] = []
     accounted_pods: Annotated[
         list[str],

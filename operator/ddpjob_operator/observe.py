@@ -135,10 +135,21 @@ class ObservedPod:
     sidecars_running: bool = False
     owner_uid: str | None = None
     started: bool = True
+    started_at: dt.datetime | None = None
+    """When the trainer (last) started running, by the same clock as ``finished_at`` (the
+    kubelet's): how long a pod ran is ``finished_at - started_at``, free of clock skew."""
     ip: str | None = None
     store_host: bool = False
     """Its agent says it hosts the job's rendezvous store (generation ``store_gen``)."""
     store_gen: int = 0
+
+    def ran_for(self, now: dt.datetime) -> float:
+        """Seconds the trainer has run (0 when unknown): to its end, by the kubelet's clock
+        alone, once it ended; else until ``now``."""
+        if self.started_at is None:
+            return 0.0
+        end = self.finished_at if self.finished_at is not None else now
+        return max(0.0, (end - self.started_at).total_seconds())
 
     @property
     def live(self) -> bool:
@@ -352,6 +363,7 @@ def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
         sidecars_running=phase.terminated and not k8s_phase.terminated,
         owner_uid=str(controller.get("uid") or "") if controller is not None else "",
         started=_started(trainer),
+        started_at=_started_at(trainer),
     )
 
 
@@ -360,3 +372,13 @@ def _started(trainer: Mapping[str, Any]) -> bool:
     state = trainer.get("state") or {}
     last = trainer.get("lastState") or {}
     return "running" in state or "terminated" in state or "terminated" in last
+
+
+def _started_at(trainer: Mapping[str, Any]) -> dt.datetime | None:
+    """When the trainer's current (or last) run started."""
+    state = trainer.get("state") or {}
+    for key in ("running", "terminated"):
+        if isinstance(state.get(key), Mapping) and state[key].get("startedAt"):
+            return parse_time(state[key]["startedAt"])
+    last = (trainer.get("lastState") or {}).get("terminated") or {}
+    return parse_time(last.get("startedAt")) if isinstance(last, Mapping) else None

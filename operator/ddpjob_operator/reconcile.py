@@ -83,7 +83,7 @@ from ddpjob_operator.api import (
     PodWaiting,
     RestartPolicy,
 )
-from ddpjob_operator.observe import DISRUPTIONS, ObservedPod, PodPhase, Reason, classify
+from ddpjob_operator.observe import DISRUPTIONS, ObservedPod, PodPhase, classify
 
 JSON = dict[str, Any]
 
@@ -93,8 +93,6 @@ MAX_EVENT_PODS = 10
 """Events of one kind a pass emits pod by pod; one more sums up the rest."""
 MAX_NEW_ACCOUNTED = 500
 """Uids a pass may add to ``status.accountedPods`` (counted pods and our own deletions)."""
-NEVER_STARTED_BACKOFF = (10.0, 300.0)
-"""Replacing a pod whose trainer never started: the first delay, and the cap (doubling)."""
 INVALID_SPEC = "InvalidSpec"
 """The condition (and reason) of a spec the operator cannot parse; never terminal."""
 DEFERRED_REQUEUE = 1.0
@@ -283,49 +281,125 @@ def _permanent(failure: PodFailure, policy: RestartPolicy) -> bool:
     return False
 
 
+def _ended_at(pod: ObservedPod, now: dt.datetime) -> dt.datetime:
+    """When a pod ended: its trainer's finish time as the kubelet wrote it, else now (the
+    first pass that sees the end). Never later than now: a node whose clock runs ahead must
+    not push a back-off further out."""
+    if pod.finished_at is None:
+        return now
+    return min(pod.finished_at, now)
+
+
 def _account(
     job: api.DDPJob, buckets: Buckets, status: DDPJobStatus, now: dt.datetime
 ) -> tuple[DDPJobStatus, list[PodFailure]]:
-    """Count every pod in ``buckets.uncounted`` once: a success, or a classified failure."""
-    new: list[PodFailure] = []
+    """Count every pod in ``buckets.uncounted`` once: a success, or a classified failure.
+    The failures come in the order they happened (then by index), and so do their counts;
+    each one moves its index's back-off (:func:`_backoff_state`), and a live pod that has run
+    long enough clears its index's (:func:`_healthy`)."""
+    new: list[tuple[PodFailure, float]] = []
     successes = 0
     for pod in buckets.uncounted:
         if pod.phase is PodPhase.SUCCEEDED:
             successes += 1
             continue
         reason = classify(pod)
-        new.append(
-            PodFailure(
-                pod=pod.name,
-                index=pod.index,
-                uid=pod.uid,
-                reason=reason,
-                exit_code=pod.exit_code,
-                message=pod.message,
-                node=pod.node,
-                charged=_charged(reason, job.spec.restart_policy),
-                started=pod.started,
-                time=now,
-            )
+        failure = PodFailure(
+            pod=pod.name,
+            index=pod.index,
+            uid=pod.uid,
+            reason=reason,
+            exit_code=pod.exit_code,
+            message=pod.message,
+            node=pod.node,
+            charged=_charged(reason, job.spec.restart_policy),
+            started=pod.started,
+            time=_ended_at(pod, now),
         )
-    if not new and not successes:
+        new.append((failure, pod.ran_for(now)))
+    new.sort(key=lambda pair: (pair[0].time, pair[0].index))
+    failures = [f for f, _ in new]
+    policy = job.spec.pod_backoff
+    backoff = _healthy(policy, _backoff_state(policy, status.pod_backoff, new), buckets.live, now)
+    if not new and not successes and backoff == status.pod_backoff:
         return status, []
     status = status.model_copy(
         update={
-            "failures": [*status.failures, *new][-api.MAX_RECENT_FAILURES :],
-            "restarts": status.restarts + len(new),
-            "backoff_count": status.backoff_count + sum(f.charged for f in new),
+            "failures": [*status.failures, *failures][-api.MAX_RECENT_FAILURES :],
+            "restarts": status.restarts + len(failures),
+            "backoff_count": status.backoff_count + sum(f.charged for f in failures),
             "succeeded": status.succeeded + successes,
+            "pod_backoff": backoff,
         }
     )
-    return status, new
+    return status, failures
+
+
+def _delayed(failure: PodFailure) -> bool:
+    """The next pod of the failure's index waits (:class:`~ddpjob_operator.api.PodBackoff`):
+    the failure was charged, or the trainer never started (a node that rejects the pod at
+    admission would reject the next one in a tight loop). Disruptions of a pod that ran are
+    replaced at once."""
+    return failure.charged or not failure.started
+
+
+def _backoff_state(
+    policy: api.PodBackoff,
+    entries: Sequence[api.IndexBackoff],
+    counted: Sequence[tuple[PodFailure, float]],
+) -> list[api.IndexBackoff]:
+    """Each index's failures in a row after this pass's failures (in the order they happened,
+    with how long each pod ran): a pod that ran ``resetAfterSeconds`` starts its index's count
+    over, a delayed failure adds one. Counting is exact (each pod is counted once), so the
+    back-off moves once per failure however often a pass runs."""
+    state = {e.index: e for e in entries}
+    for failure, ran in counted:
+        if ran >= policy.reset_after_seconds:
+            state.pop(failure.index, None)
+        if not _delayed(failure):
+            continue
+        old = state.get(failure.index)
+        state[failure.index] = api.IndexBackoff(
+            index=failure.index,
+            failures=(old.failures if old is not None else 0) + 1,
+            last_failure_time=failure.time,
+        )
+    return sorted(state.values(), key=lambda e: e.index)
+
+
+def _healthy(
+    policy: api.PodBackoff,
+    entries: Sequence[api.IndexBackoff],
+    live: Sequence[ObservedPod],
+    now: dt.datetime,
+) -> list[api.IndexBackoff]:
+    """Drop the back-off of an index whose pod has now run ``resetAfterSeconds``."""
+    well = {
+        p.index
+        for p in live
+        if p.phase is PodPhase.RUNNING
+        and p.started_at is not None
+        and p.ran_for(now) >= policy.reset_after_seconds
+    }
+    return [e for e in entries if e.index not in well]
+
+
+def _retry_time(policy: api.PodBackoff, entry: api.IndexBackoff) -> dt.datetime:
+    """When the next pod of the entry's index may be created."""
+    return entry.last_failure_time + dt.timedelta(seconds=policy.delay(entry.failures))
 
 
 def _failure_events(
     job: api.DDPJob, failures: Sequence[PodFailure], status: DDPJobStatus
 ) -> list[Event]:
-    """One event per failure, at most :data:`MAX_EVENT_PODS`, then one for the rest."""
-    events = [_failure_event(job, f, status) for f in failures[:MAX_EVENT_PODS]]
+    """One event per failure, at most :data:`MAX_EVENT_PODS`, then one for the rest. Each
+    charged one names the count it brought the budget to (1/N, then 2/N, in the order they
+    happened), not the count after the whole pass."""
+    used = status.backoff_count - sum(f.charged for f in failures)
+    events = []
+    for failure in failures[:MAX_EVENT_PODS]:
+        used += failure.charged
+        events.append(_failure_event(job, failure, used))
     rest = failures[MAX_EVENT_PODS:]
     if rest:
         reasons = _counted(f.reason for f in rest)
@@ -356,9 +430,9 @@ def _some(names: Sequence[str], limit: int = MAX_EVENT_PODS) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _failure_event(job: api.DDPJob, failure: PodFailure, status: DDPJobStatus) -> Event:
+def _failure_event(job: api.DDPJob, failure: PodFailure, used: int) -> Event:
     budget = (
-        f"charged, {status.backoff_count}/{job.spec.backoff_limit} of backoffLimit"
+        f"charged, {used}/{job.spec.backoff_limit} of backoffLimit"
         if failure.charged
         else "not charged: disruption"
     )
@@ -560,7 +634,12 @@ def _finished(
     stuck, requeue = _force_stuck(job, pods, now)
     actions += stuck + _release_all(pods)
     status = status.model_copy(
-        update={"replicas": sum(p.live for p in pods), "accounted_pods": [], "waiting": []}
+        update={
+            "replicas": sum(p.live for p in pods),
+            "accounted_pods": [],
+            "waiting": [],
+            "pod_backoff": [],
+        }
     )
     ttl = job.spec.ttl_seconds_after_finished
     if ttl is not None and status.completion_time is not None:
@@ -677,7 +756,8 @@ def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
 
 def _waiting_events(old: Sequence[PodWaiting], new: Sequence[PodWaiting]) -> list[Event]:
     before = {(w.pod, w.reason) for w in old}
-    fresh = [w for w in new if (w.pod, w.reason) not in before]
+    # A back-off has its own event, once, when the failure that starts it is counted.
+    fresh = [w for w in new if (w.pod, w.reason) not in before and w.reason != "BackOff"]
     events = [
         Event("Warning", "PodWaiting", f"pod {w.pod} cannot start: {w.reason}: {w.message}")
         for w in fresh[:MAX_EVENT_PODS]
@@ -698,22 +778,75 @@ def _names(actions: Iterable[Action], kind: type[CreatePod] | type[DeletePod]) -
     return _some([a.name for a in actions if isinstance(a, kind)])
 
 
-def _never_started_backoff(
-    failures: Sequence[PodFailure], index: int
-) -> tuple[int, PodFailure | None, float]:
-    """Failures of pod ``index`` in a row (the newest first) whose trainer never started, the
-    newest of them, and how long after it the replacement waits."""
-    streak: list[PodFailure] = []
-    for failure in reversed(failures):
-        if failure.index != index:
-            continue
-        if failure.started or failure.reason == Reason.DELETED:
-            break
-        streak.append(failure)
-    if not streak:
-        return 0, None, 0.0
-    first, cap = NEVER_STARTED_BACKOFF
-    return len(streak), streak[0], min(first * 2 ** (len(streak) - 1), cap)
+def _backoff_waiting(
+    job: api.DDPJob, status: DDPJobStatus, index: int, now: dt.datetime
+) -> PodWaiting | None:
+    """Pod ``index`` waits for its back-off (``spec.podBackoff``): why, and until when."""
+    entry = next((e for e in status.pod_backoff if e.index == index), None)
+    if entry is None:
+        return None
+    retry = _retry_time(job.spec.pod_backoff, entry)
+    left = (retry - now).total_seconds()
+    if left <= 0:
+        return None
+    last = next((f for f in reversed(status.failures) if f.index == index), None)
+    what = "pods never started" if last is not None and not last.started else "pods failed"
+    why = f"{last.reason}" + (f": {last.message}" if last.message else "") if last else "?"
+    return PodWaiting(
+        pod=builders.pod_name(job.name, index),
+        reason="BackOff",
+        message=(
+            f"its last {entry.failures} {what} in a row (last: {why}); the next one is created "
+            f"in {left:.0f}s"
+        )[:500],
+        index=index,
+        retry_time=retry,
+    )
+
+
+def _backoff_events(
+    job: api.DDPJob,
+    failures: Sequence[PodFailure],
+    status: DDPJobStatus,
+    now: dt.datetime,
+    completing: bool,
+) -> list[Event]:
+    """One event per back-off that this pass's failures started (at most
+    :data:`MAX_EVENT_PODS`, then one for the rest): the failures are counted once, so each
+    back-off is told once, however many passes it lasts. None once the job is completing
+    (nothing is re-created)."""
+    if completing:
+        return []
+    policy = job.spec.pod_backoff
+    entries = {e.index: e for e in status.pod_backoff}
+    started: list[tuple[api.IndexBackoff, dt.datetime]] = []
+    for index in sorted({f.index for f in failures if _delayed(f)}):
+        entry = entries.get(index)
+        if entry is not None and _retry_time(policy, entry) > now:
+            started.append((entry, _retry_time(policy, entry)))
+    events = []
+    for entry, retry in started[:MAX_EVENT_PODS]:
+        delay = policy.delay(entry.failures)
+        events.append(
+            Event(
+                "Warning",
+                "BackOff",
+                f"pod {builders.pod_name(job.name, entry.index)} is re-created in "
+                f"{(retry - now).total_seconds():.0f}s, at {retry.isoformat()} (back-off "
+                f"{delay:.0f}s after {entry.failures} failures in a row; spec.podBackoff)",
+            )
+        )
+    rest = started[MAX_EVENT_PODS:]
+    if rest:
+        events.append(
+            Event(
+                "Warning",
+                "BackOff",
+                f"{len(rest)} more pods back off (indices "
+                f"{_some([str(e.index) for e, _ in rest])})",
+            )
+        )
+    return events
 
 
 @dataclasses.dataclass
@@ -738,7 +871,7 @@ def _run_actions(
     default_profile: api.SecurityProfile,
 ) -> _Plan:
     """Service, replacements, scale-down (highest index first), then missing pods: not under a
-    name another object's pod still holds, nor before a never-started pod's backoff is over."""
+    name another object's pod still holds, nor before its index's back-off is over."""
     plan = _Plan(actions=[], waiting=[])
     if not service:
         plan.actions.append(CreateService(builders.build_service(job)))
@@ -757,23 +890,11 @@ def _run_actions(
         if i in held:
             plan.waiting.append(_held(held[i]))
             continue
-        streak, last, delay = _never_started_backoff(status.failures, i)
-        if last is not None:
-            left = (last.time + dt.timedelta(seconds=delay) - now).total_seconds()
-            if left > 0:
-                plan.due = _sooner(plan.due, left)
-                plan.waiting.append(
-                    PodWaiting(
-                        pod=builders.pod_name(job.name, i),
-                        reason="BackOff",
-                        message=(
-                            f"its last {streak} pods never started (last: {last.reason}"
-                            + (f": {last.message}" if last.message else "")
-                            + f"); the next one is created in {left:.0f}s"
-                        )[:500],
-                    )
-                )
-                continue
+        backoff = _backoff_waiting(job, status, i, now)
+        if backoff is not None and backoff.retry_time is not None:
+            plan.due = _sooner(plan.due, (backoff.retry_time - now).total_seconds())
+            plan.waiting.append(backoff)
+            continue
         plan.actions.append(CreatePod(i, builders.build_pod(job, i, network, default_profile)))
     return plan
 
@@ -945,7 +1066,10 @@ def reconcile(
     actions += stuck
     accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
     actions += removals + _release_foreign(foreign)
-    events += _action_events(job, actions)
+    events += [
+        *_backoff_events(job, new_failures, status, now, completing),
+        *_action_events(job, actions),
+    ]
     conditions = _running_conditions(
         status.conditions, phase, completing, running, desired, spec.effective_min, waiting, now
     )

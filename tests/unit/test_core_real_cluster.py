@@ -30,7 +30,7 @@ from ddpjob_operator.reconcile import (
 )
 
 from .jobs import manifest
-from .test_reconcile import T0, failed, kinds, make_job, pod, run, running_status
+from .test_reconcile import T0, kinds, make_job, pod, run, running_status
 
 UID = "uid-demo"
 
@@ -189,32 +189,23 @@ def test_a_pod_rejected_at_admission_is_replaced_with_backoff() -> None:
     assert delays == [10.0, 20.0, 40.0, 80.0]
 
 
-def test_a_pod_that_ran_is_replaced_at_once() -> None:
+def test_a_disruption_of_a_pod_that_ran_is_replaced_at_once() -> None:
     job = make_job(status=running_status())
-    first = run(job, pod(0), failed(1, exit_code=1))
-    job = job.model_copy(update={"status": first.status})
-    assert kinds(run(job, pod(0))) == [("create", 1, None)]
-    # A started pod ends a streak of never-started ones.
     evicted = dataclasses.replace(_rejected(1), started=True, disruption="Evicted")
-    second = run(job, pod(0), evicted)
-    job = job.model_copy(update={"status": second.status})
+    first = run(job, pod(0), evicted)
+    assert first.status.pod_backoff == []
+    job = job.model_copy(update={"status": first.status})
     assert kinds(run(job, pod(0))) == [("create", 1, None)]
 
 
 def test_the_backoff_is_capped() -> None:
-    status = running_status()
-    rejected = [
-        api.PodFailure(
-            pod="demo-worker-1",
-            index=1,
-            reason="Evicted",
-            charged=False,
-            started=False,
-            time=T0,
-        )
-    ] * 12
-    job = make_job(status=status.model_copy(update={"failures": rejected}))
-    assert run(job, pod(0), now=T0).requeue_after == 300.0
+    streak = api.IndexBackoff(index=1, failures=12, last_failure_time=T0)
+    job = make_job(status=running_status(pod_backoff=[streak]))
+    assert run(job, pod(0), now=T0).requeue_after == 360.0
+    capped = make_job(
+        status=running_status(pod_backoff=[streak]), podBackoff={"maxDelaySeconds": 300}
+    )
+    assert run(capped, pod(0), now=T0).requeue_after == 300.0
 
 
 # ---- point 17 ------------------------------------------------------------------------------------

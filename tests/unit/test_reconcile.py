@@ -108,7 +108,8 @@ def test_agent_reported_world_size_wins() -> None:
 
 
 def test_failed_pod_is_counted_deleted_then_recreated() -> None:
-    job = make_job(status=running_status())
+    # No back-off here (tests/unit/test_pod_backoff.py has it): this is about the counting.
+    job = make_job(status=running_status(), podBackoff={"initialDelaySeconds": 0})
     broken = failed(1, exit_code=137)
     first = run(job, pod(0), broken)
     assert kinds(first) == [("delete", 1, "Replace")]
