@@ -832,8 +832,9 @@ def _backoff_events(
                 "Warning",
                 "BackOff",
                 f"pod {builders.pod_name(job.name, entry.index)} is re-created in "
-                f"{(retry - now).total_seconds():.0f}s, at {retry.isoformat()} (back-off "
-                f"{delay:.0f}s after {entry.failures} failures in a row; spec.podBackoff)",
+                f"{(retry - now).total_seconds():.0f}s, at {retry:%Y-%m-%dT%H:%M:%SZ}: back-off "
+                f"{delay:g}s after {entry.failures} failures of its index in a row "
+                f"(spec.podBackoff)",
             )
         )
     rest = started[MAX_EVENT_PODS:]

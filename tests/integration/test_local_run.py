@@ -59,6 +59,8 @@ def manifest(
             "nprocPerNode": 1,
             "maxRestarts": 3,
             "backoffLimit": 3,
+            # A charged failure's replacement waits 1 s, not 10 s (test_crash_loop_backs_off).
+            "podBackoff": {"initialDelaySeconds": 1, "maxDelaySeconds": 2},
             **spec,
             "template": {
                 "spec": {
@@ -352,6 +354,64 @@ def test_always_crashing_job_fails_after_backoff_limit(
     assert "BackoffLimitExceeded" in out
     assert "ExitCode(1)" in out
     assert str(tmp_path / "run" / "logs") in out
+
+
+def test_crash_loop_backs_off_and_counts_in_order(
+    tmp_path: Path, start: Callable[..., Run]
+) -> None:
+    """Issue 23: a 2-pod job whose script exits 1 after 0.5 s was Failed in 1.4 s, its first
+    two failures both "2/3 of backoffLimit". Each index now waits 1 s, then 2 s, before its
+    next pod, and the counts go up one by one."""
+    document = {
+        "apiVersion": "ddpjob.io/v1alpha1",
+        "kind": "DDPJob",
+        "metadata": {"name": "crashy"},
+        "spec": {
+            "replicas": 2,
+            "backoffLimit": 4,
+            "podBackoff": {"initialDelaySeconds": 1, "maxDelaySeconds": 2},
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": "unused-locally",
+                            "command": [sys.executable, "-c"],
+                            "args": ["import time; time.sleep(0.5); raise SystemExit(1)"],
+                        }
+                    ]
+                }
+            },
+        },
+    }
+    path = tmp_path / "crashy.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    run = start(path)
+    assert_clean_finish(run, 1)
+    out = run.output()
+    counts = re.findall(
+        r"PodFailed: pod crashy-worker-\d failed \(ExitCode\(1\), charged, (\d)/4", out
+    )
+    # One by one, in the order they happened; the last round's two failures may be seen in
+    # one pass (5/4 and 6/4), or the first of them may end the job (5/4).
+    assert counts in (["1", "2", "3", "4", "5"], ["1", "2", "3", "4", "5", "6"]), out
+    waits = re.findall(
+        r"BackOff: pod (crashy-worker-\d) is re-created in \d+s, at \S+: back-off (\d+)s", out
+    )
+    # Each index backs off once per failure (not once per pass): 1 s, then 2 s; the failure
+    # that spends the budget starts none.
+    assert sorted(waits) == [
+        ("crashy-worker-0", "1"),
+        ("crashy-worker-0", "2"),
+        ("crashy-worker-1", "1"),
+        ("crashy-worker-1", "2"),
+    ], out
+    assert "BackoffLimitExceeded" in out
+    took = re.search(r"DDPJob crashy Failed in ([\d.]+)s", out)
+    assert took is not None, out
+    # Three runs of 0.5 s with waits of 1 s and 2 s between them: 4.5 s at the least.
+    assert float(took.group(1)) >= 4.0, out
+    assert sorted(run.logs()) == [f"crashy-worker-{i}.{n}.log" for i in (0, 1) for n in (0, 1, 2)]
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path, start: Callable[..., Run]) -> None:

@@ -41,6 +41,7 @@ def _manifest(tmp: Path) -> Path:
             "nprocPerNode": 1,
             "maxRestarts": 0,
             "backoffLimit": 3,
+            "podBackoff": {"initialDelaySeconds": 1},  # pod 1's replacement after 1 s, not 10
             "template": {
                 "spec": {
                     "terminationGracePeriodSeconds": 10,

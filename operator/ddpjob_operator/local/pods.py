@@ -393,6 +393,10 @@ class LocalPod:
     disruption: str | None = None
     agent_state: AgentState | None = None
     """The agent's state file as of the last :meth:`refresh_state` (None: none readable yet)."""
+    started_at: dt.datetime = dataclasses.field(default_factory=lambda: dt.datetime.now(dt.UTC))
+    """When the trainer started (wall clock), as a kubelet writes ``startedAt``."""
+    finished_at: dt.datetime | None = None
+    """When the trainer was first seen exited (wall clock): a kubelet's ``finishedAt``."""
 
     @property
     def process(self) -> subprocess.Popen[bytes]:
@@ -427,6 +431,8 @@ class LocalPod:
 
     def observe(self) -> ObservedPod:
         code = self.exit_code
+        if code is not None and self.finished_at is None:
+            self.finished_at = dt.datetime.now(dt.UTC)
         state = self.agent_state if code is None else None
         # A frozen pod is not ready, as the node controller marks the pods of a node that stopped
         # reporting (here at once): its agent's state file is as stale as its node.
@@ -452,6 +458,8 @@ class LocalPod:
             world_size=state.world_size if state is not None and running else None,
             store_host=state is not None and state.store_host and self.frozen_since is None,
             store_gen=state.store_gen if state is not None else 0,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
         )
 
     def all_processes(self) -> list[psutil.Process]:
