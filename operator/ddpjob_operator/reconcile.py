@@ -51,10 +51,14 @@ do, and the rules read the buckets. Every classification rule lives in
 * Only the job's own pods count: a pod whose controller is another object (an earlier job of
   the same name, still being deleted) or none is never counted or adopted; its name is not
   reused until it is gone, and our finalizer, if it has one, is removed (its job is gone).
-* A pod whose trainer never started (the kubelet rejected it at admission: ``OutOfcpu``,
-  ``UnexpectedAdmissionError``...) is replaced after a delay that doubles with each such failure
-  in a row of that index (10 s, 20 s ... 5 min), not at once: the same node would reject it
-  again in a tight loop.
+* Back-off per pod index (``spec.podBackoff``): after a charged failure, or one whose trainer
+  never started (the kubelet rejected it at admission: ``OutOfcpu``,
+  ``UnexpectedAdmissionError``...; the same node would reject the next one in a tight loop),
+  the next pod of that index waits 10 s after the failed trainer ended, doubling with each
+  such failure of the index in a row up to 360 s, as the Job controller does; a pod of the
+  index that ran 600 s starts the count over. The state is in ``status.podBackoff``, moved only
+  when a pod is counted (exactly once), so a pass that runs again never charges it twice.
+  Disruptions are replaced at once. The deadline and ``suspend`` win over a pending back-off.
 * Sizes stay bounded however large the job: ``status.waiting`` lists at most
   :data:`MAX_WAITING` pods (the Running condition counts all of them, by reason), a pass emits
   at most :data:`MAX_EVENT_PODS` events of a kind (then one that sums up the rest), and it adds

@@ -68,6 +68,9 @@ def job_manifest(name: str, namespace: str = "default", **spec: Any) -> dict[str
         "minReplicas": 1,
         "maxReplicas": 4,
         "nprocPerNode": 1,
+        # A charged failure's replacement comes after 1 s (2 s for the next), not 10 s: the
+        # back-off itself is tested in test_real_backoff.py and tests/unit/test_pod_backoff.py.
+        "podBackoff": {"initialDelaySeconds": 1, "maxDelaySeconds": 2},
         "template": {
             "spec": {
                 "terminationGracePeriodSeconds": 5,

@@ -87,6 +87,12 @@ def test_the_crd_is_established_and_the_charts_copy_is_accepted(kube: KubeTest) 
         ({"nprocPerNode": "gpu"}, "spec.nprocPerNode"),
         ({"restartPolicy": "Always"}, "spec.restartPolicy"),
         ({"rendezvous": {"port": 70000}}, "spec.rendezvous.port"),
+        ({"podBackoff": {"initialDelaySeconds": -1}}, "spec.podBackoff.initialDelaySeconds"),
+        (
+            {"podBackoff": {"initialDelaySeconds": 30, "maxDelaySeconds": 20}},
+            "spec.podBackoff.maxDelaySeconds",
+        ),
+        ({"podBackoff": {"initialDelaySeconds": 400}}, "raise maxDelaySeconds"),
         ({"template": {"spec": {"containers": []}}}, "spec.template.spec.containers"),
         ({"template": {"spec": {"containers": [{"name": "t"}]}}}, "image"),
     ],
