@@ -3,9 +3,10 @@ gaps, not in a tight loop, and the job fails only when its budget is spent.
 
 The trainer is a real process in a real pod (the process kubelet's ``python`` image) that exits
 1 as soon as it starts; the real API server stamps each pod's ``creationTimestamp``, and the
-gaps between them are the evidence: at least the configured delay (2 s, then 4 s, then 8 s)
-and growing. The bounds are generous: a busy machine adds seconds to a start, never takes
-them away.
+gaps between them are the evidence: at least the configured delay (3 s, then 6 s, then 12 s)
+and growing. Both stamps have a resolution of one second, and the delay counts from the
+trainer's ``finishedAt``, never before the pod's creation, so whole seconds hold. The upper
+bounds are generous: a busy machine adds seconds to a start, never takes them away.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from .operator_env import real_env, wait_for
 
 pytestmark = pytest.mark.slow
 
-DELAYS = [2.0, 4.0, 8.0]
-"""spec.podBackoff initialDelaySeconds 2, maxDelaySeconds 8: the waits after failures 1-3."""
+DELAYS = [3.0, 6.0, 12.0]
+"""spec.podBackoff initialDelaySeconds 3, maxDelaySeconds 12: the waits after failures 1-3 (steps
+of 3 s and 6 s, so that a slow start on a busy machine cannot hide the growth)."""
 
 
 def stamp(text: str) -> dt.datetime:
@@ -42,7 +44,7 @@ def test_a_pod_that_fails_at_once_comes_back_with_growing_gaps(
         minReplicas=1,
         maxReplicas=1,
         backoffLimit=len(DELAYS),
-        podBackoff={"initialDelaySeconds": 2, "maxDelaySeconds": 8, "resetAfterSeconds": 600},
+        podBackoff={"initialDelaySeconds": 3, "maxDelaySeconds": 12, "resetAfterSeconds": 600},
         template={
             "spec": {
                 "terminationGracePeriodSeconds": 5,
