@@ -147,6 +147,25 @@ def test_a_restart_takes_the_warm_spares_and_leaves_none_behind(
     cluster.assert_clean()  # no spare outlives its agent
 
 
+def test_two_workers_per_node_start_warm_under_torchruns_omp_default(
+    make_cluster: MakeCluster,
+) -> None:
+    # torchrun sets OMP_NUM_THREADS=1 for more than one worker per node, after the agent's early
+    # spares started; spares with another environment than their workers' are never used.
+    cluster = make_cluster(min_nodes=1, max_nodes=1, max_restarts=0)
+    node = cluster.start(
+        0, train_args(20), env={"PET_NPROC_PER_NODE": "2", "OMP_NUM_THREADS": None}
+    )
+    assert node.wait_exit(120) == 0, cluster.logs()
+    assert "OMP_NUM_THREADS=1 for 2 workers per node, as torchrun sets it" in node.text()
+    for rank in (0, 1):
+        assert f"local rank {rank}: started warm" in node.text(), node.text()
+    assert "workers started warm 2 times, cold 0 times" in node.text(), node.text()
+    # Two workers share the log: lines may interleave, so look for what each says at its end.
+    assert all(f"done steps=20 rank={rank}" in node.text() for rank in (0, 1)), node.text()
+    cluster.assert_clean()
+
+
 def test_warm_workers_can_be_turned_off(make_cluster: MakeCluster) -> None:
     cluster = make_cluster(min_nodes=1, max_nodes=1, max_restarts=1)
     node = cluster.start(0, train_args(80), env={"DDPJOB_WARM_WORKERS": "0"})

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddpjob_worker import cli, contract, warm
+from ddpjob_worker.memory import Memory
 from ddpjob_worker.policy import resolve_settings
 from ddpjob_worker.warm import WarmPool, foreign_changes, parse_command, start_spare
 
@@ -345,3 +346,101 @@ def test_a_spare_whose_import_fails_is_ready_and_its_worker_reports_the_failure(
         assert proc is not None and wait(proc) == 1
     finally:
         pool.close()
+
+
+def test_spares_start_only_as_far_as_the_containers_memory_holds_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gib = 1 << 30
+    assert warm.spares_that_fit(8, None) == 8  # no limit
+    # 8 GiB limit, 7 GiB in use: 1 GiB free, 0.8 GiB of it kept for the workers.
+    assert warm.spares_that_fit(2, Memory(limit=8 * gib, working_set=7 * gib)) == 0
+    # 2 GiB in use: 5.2 GiB for spares of 400 MiB: 13 of them.
+    assert warm.spares_that_fit(2, Memory(limit=8 * gib, working_set=2 * gib)) == 2
+    assert warm.spares_that_fit(20, Memory(limit=8 * gib, working_set=2 * gib)) == 13
+
+    looks: list[Memory] = []
+    full = Memory(limit=8 * gib, working_set=8 * gib)
+    roomy = Memory(limit=8 * gib, working_set=gib)
+    answers = iter([full, roomy])
+
+    def memory() -> Memory:
+        looks.append(next(answers))
+        return looks[-1]
+
+    pool = WarmPool(1, preload=(), after_seconds=0, memory=memory)
+    try:
+        pool.tick()
+        assert pool.idle == []
+        pool.tick()  # short of memory: no second look for MEMORY_LOOK_SECONDS
+        assert looks == [full]
+        monkeypatch.setattr(warm, "MEMORY_LOOK_SECONDS", 0.0)
+        pool._memory_look = 0.0  # the look's time has come
+        pool.tick()
+        assert looks == [full, roomy]
+        assert len(pool.idle) == 1
+    finally:
+        pool.close()
+
+
+OOM_SCORE = """
+import json, os
+with open(os.environ["REPORT_TO"], "w") as f:
+    json.dump(open("/proc/self/oom_score_adj").read().strip(), f)
+"""
+
+
+def test_an_idle_spare_is_the_oom_killers_first_choice_and_its_worker_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours = Path("/proc/self/oom_score_adj").read_text().strip()
+    report = tmp_path / "score.json"
+    monkeypatch.setenv("REPORT_TO", str(report))
+    pool = WarmPool(1, preload=("json",), after_seconds=0)
+    try:
+        pool.tick()
+        deadline = time.monotonic() + 30
+        while pool.ready == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (pid,) = pool.idle
+        assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "1000"
+        script = tmp_path / "score.py"
+        script.write_text(OOM_SCORE)
+        proc = pool.take([PY, "-u", str(script)], dict(os.environ), redirected=False)
+        assert proc is not None and wait(proc) == 0
+        assert json.loads(report.read_text()) == ours
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "count", "omp"),
+    [
+        (["train.py"], {contract.PET_NPROC_PER_NODE: "4"}, 4, "1"),  # torchrun's default
+        (["train.py"], {contract.PET_NPROC_PER_NODE: "4", "OMP_NUM_THREADS": "8"}, 4, "8"),
+        (["train.py"], {contract.PET_NPROC_PER_NODE: "1"}, 1, None),  # torchrun leaves it
+        # A flag may override the variable: only torchrun's parser knows, so nothing is set.
+        (["--nproc-per-node=2", "train.py"], {contract.PET_NPROC_PER_NODE: "4"}, 1, None),
+        (["--nproc_per_node", "2", "train.py"], {}, 1, None),
+    ],
+)
+def test_early_spares_get_torchruns_omp_default_when_torchrun_will_set_it(
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    env: dict[str, str],
+    count: int,
+    omp: str | None,
+) -> None:
+    asked: list[int] = []
+
+    def start_early(n: int, into: list[warm.Spare]) -> list[warm.Spare]:
+        asked.append(n)
+        return into
+
+    monkeypatch.setattr(warm, "start_early", start_early)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if "OMP_NUM_THREADS" in env:
+        monkeypatch.setenv("OMP_NUM_THREADS", env["OMP_NUM_THREADS"])
+    cli._early_spares(argv, env, [])
+    assert asked == [count]
+    assert os.environ.get("OMP_NUM_THREADS") == omp

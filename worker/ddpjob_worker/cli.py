@@ -205,8 +205,23 @@ def _early_spares(argv: Sequence[str], env: Mapping[str, str], into: list[warm.S
             return
     except ValueError:
         return  # resolve_settings reports it, naming the variable
-    nproc = env.get(PET_NPROC_PER_NODE, "").strip()
-    warm.start_early(int(nproc) if nproc.isdigit() and int(nproc) > 0 else 1, into)
+    nproc = _nproc(argv, env)
+    if nproc > 1 and "OMP_NUM_THREADS" not in env:
+        # torchrun sets it so once it has parsed its flags, after our spares would have
+        # started; a spare whose environment differs from its worker's is never used.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        logger.info("OMP_NUM_THREADS=1 for %d workers per node, as torchrun sets it", nproc)
+    warm.start_early(nproc, into)
+
+
+def _nproc(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Workers per node from ``PET_NPROC_PER_NODE`` (how the operator says it), when no flag
+    may override it; otherwise, or when it is not a number (``gpu``, ``auto``), 1: torchrun's
+    own parser, which needs torch, has the last word."""
+    if any(arg.startswith(("--nproc-per-node", "--nproc_per_node")) for arg in argv):
+        return 1
+    value = env.get(PET_NPROC_PER_NODE, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def _torch_ok(argv: Sequence[str]) -> bool:

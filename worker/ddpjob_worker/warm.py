@@ -39,7 +39,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+from ddpjob_worker.memory import Memory, container_memory
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,26 @@ the training script and by torch when it is used (the process group, CUDA), not 
 torch``, so a spare may take them after the import."""
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+
+SPARE_BYTES = 400 << 20
+"""What an idle spare costs its container, about: its private memory once torch is imported (354
+MiB measured with torch 2.13's CUDA wheel; the shared pages are the workers' too)."""
+RESERVE_FRACTION = 0.1
+"""Of the container's memory limit, what spares must leave free for the workers to grow into."""
+MEMORY_LOOK_SECONDS = 30.0
+"""How often a pool short of memory looks again."""
+IDLE_OOM_SCORE_ADJ = "1000"
+"""An idle spare's ``oom_score_adj``: the OOM killer's first choice, never a worker (a spare may
+raise its own; at the handover it lowers it back to what it started with)."""
+
+
+def spares_that_fit(count: int, memory: Memory | None) -> int:
+    """How many of ``count`` spares the container's memory holds (:data:`SPARE_BYTES` each,
+    :data:`RESERVE_FRACTION` of the limit left free); all of them with no limit."""
+    if memory is None:
+        return count
+    room = memory.headroom - int(memory.limit * RESERVE_FRACTION)
+    return max(0, min(count, room // SPARE_BYTES))
 
 
 def parse_command(command: Sequence[str], python: str) -> list[str] | None:
@@ -182,7 +204,10 @@ def start_early(count: int, spares: list[Spare] | None = None) -> list[Spare]:
     The agent adopts them (:meth:`WarmPool.adopt`) or kills them. Each is added to ``spares``
     as soon as it starts, so a signal in between loses none."""
     spares = [] if spares is None else spares
-    for _ in range(count):
+    fit = spares_that_fit(count, container_memory())
+    if fit < count:
+        logger.info("memory for %d of %d early warm workers", fit, count)
+    for _ in range(fit):
         spare = start_spare()
         if spare is None:
             break
@@ -201,12 +226,16 @@ class WarmPool:
         python: str = sys.executable,
         preload: Sequence[str] = PRELOAD,
         after_seconds: float = WARM_AFTER_SECONDS,
+        memory: Callable[[], Memory | None] = container_memory,
     ) -> None:
         self._slots = slots
         self._label = label
         self._python = python
         self._preload = tuple(preload)
         self._after_seconds = after_seconds
+        self._memory = memory
+        self._memory_look = 0.0
+        self._short = False
         self._spares: list[Spare] = []
         self._group_started = time.monotonic()
         self.handed_over = 0
@@ -223,7 +252,27 @@ class WarmPool:
         if time.monotonic() - self._group_started < self._after_seconds:
             return
         self._spares = [s for s in self._spares if s.proc.poll() is None]
-        while len(self._spares) < self._slots:
+        missing = self._slots - len(self._spares)
+        if missing <= 0 or time.monotonic() < self._memory_look:
+            return
+        memory = self._memory()
+        fit = spares_that_fit(missing, memory)
+        if fit < missing:
+            self._memory_look = time.monotonic() + MEMORY_LOOK_SECONDS
+            if not self._short and memory is not None:
+                logger.warning(
+                    "no memory for %d warm worker(s): %d MiB of the container's %d MiB are "
+                    "free, each needs about %d MiB and %d%% stays free; those workers start cold",
+                    missing - fit,
+                    memory.headroom >> 20,
+                    memory.limit >> 20,
+                    SPARE_BYTES >> 20,
+                    int(RESERVE_FRACTION * 100),
+                )
+            self._short = True
+        else:
+            self._short = False
+        for _ in range(fit):
             spare = start_spare(self._label, python=self._python, preload=self._preload)
             if spare is None:
                 self._slots = 0
@@ -322,6 +371,20 @@ def _stdin_to_devnull() -> None:
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
 
 
+def _oom_score_adj(value: str | None = None) -> str | None:
+    """This process's ``oom_score_adj``, or set it; None when it cannot be read or set."""
+    path = "/proc/self/oom_score_adj"
+    try:
+        if value is None:
+            with open(path, encoding="ascii") as handle:
+                return handle.read().strip()
+        with open(path, "w", encoding="ascii") as handle:
+            handle.write(value)
+    except OSError:
+        return None
+    return value
+
+
 def _say_ready(fd: int | None) -> None:
     """One byte on the readiness pipe, then close it: the worker must not inherit it."""
     if fd is None:
@@ -341,6 +404,9 @@ def run(argv: Sequence[str]) -> None:
     """
     options = dict(zip(argv[0::2], argv[1::2], strict=False))
     ready_fd = int(options["--ready-fd"]) if "--ready-fd" in options else None
+    container_score = _oom_score_adj()
+    if container_score is not None:
+        _oom_score_adj(IDLE_OOM_SCORE_ADJ)
     try:
         _preload([name for name in options.get("--preload", "").split(",") if name])
     finally:
@@ -350,6 +416,12 @@ def run(argv: Sequence[str]) -> None:
         return  # the agent closed the pool or died
     message = json.loads(data)
     worker_argv: list[str] = message["argv"]
+    if container_score is not None and _oom_score_adj(container_score) is None:
+        print(
+            f"ddpjob warm worker: could not set oom_score_adj back to {container_score}",
+            file=sys.stderr,
+            flush=True,
+        )
     os.environ.clear()
     os.environ.update(message["env"])
     _stdin_to_devnull()
