@@ -7,14 +7,18 @@ outlived it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 
 from ddpjob_worker.contract import EXIT_INFRA, EXIT_STOPPED_BY_SIGNAL, is_retryable_exit
@@ -485,4 +489,56 @@ def test_torchs_watchdog_stops_restarts(make_cluster: MakeCluster) -> None:
     state = node.state()
     assert state.phase is Phase.FAILED
     assert state.restart_count == 0
+    cluster.assert_clean()
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@contextlib.contextmanager
+def frozen_cgroup() -> Iterator[Path]:
+    """A cgroup v1 freezer of our own: a process in it, once FROZEN, does not die of a SIGKILL
+    until it is THAWED (as a process stuck in a device driver does not)."""
+    if not (FREEZER / "freezer.state").exists() and not (FREEZER / "tasks").exists():
+        pytest.skip("no cgroup v1 freezer at /sys/fs/cgroup/freezer to hold a killed worker")
+    group = FREEZER / f"ddpjob-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        (group / "freezer.state").write_text("THAWED")
+        deadline = time.monotonic() + 10
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group.rmdir()
+
+
+def test_new_workers_wait_until_the_stopped_ones_are_gone(make_cluster: MakeCluster) -> None:
+    # torch waits 0.25 s (our stop timeout) after its SIGKILL too, then abandons the worker and
+    # starts the next: on a GPU, a worker that takes seconds to release its device (or hangs in
+    # the driver) would still hold it. Pod 0's worker is held in a frozen cgroup, so its SIGKILL
+    # cannot end it; pod 1's worker is killed. Pod 0 must start no worker while the old one lives.
+    cluster = make_cluster(min_nodes=2, max_nodes=2, max_restarts=2)
+    nodes = [cluster.start(i, train_args(60, sleep=0.05)) for i in range(2)]
+    for node in nodes:
+        wait_until(f"node {node.index} trains", reached(node, 3), 90)
+    with frozen_cgroup() as group:
+        (held,) = nodes[0].worker_pids()
+        (group / "cgroup.procs").write_text(str(held))
+        (group / "freezer.state").write_text("FROZEN")
+        (victim,) = nodes[1].worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        wait_until(
+            "pod 0's agent waiting for its stopped worker",
+            lambda: "stopped worker(s) to exit" in nodes[0].text(),
+            60,
+        )
+        time.sleep(3.0)  # torch alone had started the next worker 0.25 s after the SIGKILL
+        assert psutil.pid_exists(held) and psutil.Process(held).status() != psutil.STATUS_ZOMBIE
+        assert len(nodes[0].resumes()) == 1, nodes[0].text()
+    for node in nodes:
+        assert node.wait_exit(120) == 0, cluster.logs()
+    assert len(nodes[0].resumes()) == 2, nodes[0].text()
+    # torch still says it abandons the worker after its 0.25 s; the agent then waited for it.
+    assert "has not exited" not in nodes[0].text(), nodes[0].text()
     cluster.assert_clean()

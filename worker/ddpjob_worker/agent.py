@@ -89,6 +89,7 @@ from ddpjob_worker.policy import (
     FAILURE_REPORTS_KEY,
     FAILURE_SETTLE_SECONDS,
     HOST_LINGER_SECONDS,
+    REAP_SECONDS,
     RECOVERY_PROBE_CAP_SECONDS,
     RESTART_STOP_SECONDS,
     Action,
@@ -778,6 +779,33 @@ class DdpjobAgent(LocalElasticAgent):
         """
         # torch types the timeout int, but only adds it to a deadline: a fraction is kept.
         self._shutdown(timeout=self._stop_seconds)  # type: ignore[arg-type]
+        self._wait_gone(REAP_SECONDS)
+
+    def _wait_gone(self, limit: float) -> None:
+        """Wait up to ``limit`` seconds for the stopped workers to be gone (:data:`REAP_SECONDS`:
+        torch gives up on them after the short stop timeout, while a GPU process may still
+        hold its device)."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        procs = [handler.proc for handler in handlers.values() if handler.proc.poll() is None]
+        if not procs:
+            return
+        logger.warning(
+            "waiting up to %gs for %d stopped worker(s) to exit (pid %s) before new ones start",
+            limit,
+            len(procs),
+            ", ".join(str(proc.pid) for proc in procs),
+        )
+        deadline = time.monotonic() + limit
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.error(
+                    "worker pid %d has not exited %gs after its SIGKILL (stuck in the kernel or "
+                    "a device driver?): starting the next workers anyway",
+                    proc.pid,
+                    limit,
+                )
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """torch's shutdown; on SIGTERM/SIGINT we first leave the rendezvous (not as its host:

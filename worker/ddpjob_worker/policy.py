@@ -147,6 +147,14 @@ A worker that is computing (not blocked) runs its SIGTERM handler at once; one t
 checkpoint then has 0.25 s. Such a checkpoint could only hold this rank's state of a step its
 group cannot finish: the periodic checkpoint is what a restart resumes from."""
 
+REAP_SECONDS = 30.0
+"""How long stopped workers get to be gone (reaped) after their SIGKILL, before the next workers
+start anyway. torch waits the stop timeout again there (:data:`BROKEN_STOP_SECONDS`), then
+abandons the process; a GPU process can take seconds to release its device memory after a
+SIGKILL, or hang in the driver, and the next workers would start on devices it still holds
+(out of memory, "device busy"). torch's own default for the whole stop is 30 s. A CPU process is
+gone in milliseconds: no cost there."""
+
 
 def is_membership_change(
     *,
