@@ -72,6 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "collective and fail within milliseconds of it",
     )
     parser.add_argument(
+        "--raise-at-step",
+        type=int,
+        default=None,
+        metavar="S",
+        help="raise --raise-message (a RuntimeError) at step S on every rank, uncaught",
+    )
+    parser.add_argument("--raise-message", default="a bug in the training script")
+    parser.add_argument(
         "--abort-at-exit-once-on-pod",
         type=int,
         default=None,
@@ -184,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.crash_delay)
                 say(f"crash pod={pod} step={step}")
                 os._exit(1)
+        if args.raise_at_step == step:
+            raise RuntimeError(args.raise_message)
         if args.stuck_at_step == step and rank == 0:
             stuck_in_kernel(args.stuck_seconds)
         x, y = batch(step, rank)

@@ -542,3 +542,31 @@ def test_new_workers_wait_until_the_stopped_ones_are_gone(make_cluster: MakeClus
     # torch still says it abandons the worker after its 0.25 s; the agent then waited for it.
     assert "has not exited" not in nodes[0].text(), nodes[0].text()
     cluster.assert_clean()
+
+
+@pytest.mark.parametrize(
+    ("message", "cause", "code"),
+    [
+        ("a bug in the training script", "error", 1),
+        (
+            "[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer",
+            "comm",
+            EXIT_INFRA,
+        ),
+    ],
+)
+def test_giving_up_after_a_communication_error_is_retryable(
+    make_cluster: MakeCluster, message: str, cause: str, code: int
+) -> None:
+    # No restart left: a worker's own error ends the pod with its exit code (1: restartPolicy
+    # ExitCode fails the job), a collective that failed under it with 200 (retryable). The
+    # worker's uncaught exception reaches torch's error file through init_distributed(), and
+    # the agent's failure report names its cause (review finding 3).
+    cluster = make_cluster(min_nodes=1, max_nodes=1, max_restarts=0)
+    node = cluster.start(0, [*train_args(30), "--raise-at-step", "3", "--raise-message", message])
+    assert node.wait_exit(90) == code, node.text()
+    assert re.search(rf"failure reports of this round: node 0 at [\d.]+ \({cause}\);", node.text())
+    state = node.state()
+    assert state.phase is Phase.FAILED
+    assert state.last_failure is not None and state.last_failure.exit_code == code, state
+    cluster.assert_clean()

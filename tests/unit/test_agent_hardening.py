@@ -13,16 +13,21 @@ from hypothesis import strategies as st
 
 from ddpjob_worker import compat, contract
 from ddpjob_worker.policy import (
+    CAUSE_COMM,
+    CAUSE_ERROR,
+    CAUSE_UNKNOWN,
     Action,
     Budget,
     FailureReport,
     WorkerStatus,
     decide,
     exit_code_for_worker,
+    failure_cause,
     format_report,
     is_root_cause,
     parse_reports,
     resolve_settings,
+    settled,
     static_master,
 )
 
@@ -68,11 +73,69 @@ def test_reports_round_trip_and_torn_items_are_skipped() -> None:
     assert parse_reports(text) == [FailureReport(1.25, 3), FailureReport(2.5, 0)]
 
 
-@given(st.lists(st.tuples(st.floats(0, 1e9), st.integers(0, 20)), min_size=1, max_size=8))
-def test_exactly_one_reporting_node_is_the_root_cause(items: list[tuple[float, int]]) -> None:
-    reports = [FailureReport(at=a, node=n) for n, a in {n: a for a, n in items}.items()]
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0, 1e9),
+            st.integers(0, 20),
+            st.sampled_from([CAUSE_UNKNOWN, CAUSE_COMM]),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_exactly_one_reporting_node_is_the_root_cause(items: list[tuple[float, int, str]]) -> None:
+    # Without a worker's own error: one node is charged, never one whose collective broke
+    # under it while another said nothing.
+    reports = [FailureReport(a, n, c) for n, (a, c) in {n: (a, c) for a, n, c in items}.items()]
     nodes = {r.node for r in reports}
     assert sum(is_root_cause(reports, n) for n in nodes) == 1
+    (charged,) = [r for r in reports if is_root_cause(reports, r.node)]
+    if any(r.cause == CAUSE_UNKNOWN for r in reports):
+        assert charged.cause == CAUSE_UNKNOWN
+
+
+def test_a_communication_error_is_charged_after_a_silent_failure_whatever_the_clocks() -> None:
+    # Pod 0's collective broke under it and its worker exited first (pod 1 tore its process
+    # group down, then spent a second in a CUDA teardown): pod 1 is charged, not pod 0.
+    reports = [FailureReport(10.0, 0, CAUSE_COMM), FailureReport(11.0, 1, CAUSE_UNKNOWN)]
+    assert not is_root_cause(reports, 0)
+    assert is_root_cause(reports, 1)
+    assert settled(reports[:1], node=0, nodes=2) is None  # pod 1 may still outrank it
+    assert settled(reports, node=0, nodes=2) is True
+    assert settled(reports, node=1, nodes=2) is False
+    # Every rank that failed on its own error is charged (a bug hit on every rank), at once.
+    errors = [FailureReport(10.0, 0, CAUSE_ERROR), FailureReport(10.5, 1, CAUSE_ERROR)]
+    assert is_root_cause(errors, 0) and is_root_cause(errors, 1)
+    assert settled(errors[1:], node=1, nodes=3) is False
+    # Only communication errors: the earliest is charged, as before (the budget still ends a
+    # job whose every round breaks).
+    comms = [FailureReport(10.5, 0, CAUSE_COMM), FailureReport(10.1, 1, CAUSE_COMM)]
+    assert [is_root_cause(comms, n) for n in (0, 1)] == [False, True]
+
+
+def test_a_failures_cause_comes_from_its_workers_error_files() -> None:
+    gloo = '{"message": {"message": "RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error'
+    nccl = '{"message": "DistBackendError: NCCL communicator was aborted on rank 3."}'
+    own = '{"message": {"message": "ValueError: bad shape"}}'
+    assert failure_cause([gloo]) == CAUSE_COMM
+    assert failure_cause([nccl, gloo]) == CAUSE_COMM
+    assert failure_cause([None]) == CAUSE_UNKNOWN  # a signal, os._exit, no init_distributed()
+    assert failure_cause([gloo, None]) == CAUSE_UNKNOWN
+    assert failure_cause([gloo, own, None]) == CAUSE_ERROR
+    assert failure_cause([]) == CAUSE_UNKNOWN
+
+
+def test_reports_carry_their_cause_and_read_as_older_agents_wrote_them() -> None:
+    reports = [
+        FailureReport(1.25, 3, CAUSE_COMM),
+        FailureReport(2.5, 0),
+        FailureReport(3.0, 1, CAUSE_ERROR),
+    ]
+    text = "".join(map(format_report, reports))
+    assert text == "1.250000@3@comm;2.500000@0;3.000000@1@error;"
+    assert parse_reports(text) == reports
+    assert parse_reports("4.0@2;") == [FailureReport(4.0, 2, CAUSE_UNKNOWN)]
 
 
 def test_a_collateral_failure_restarts_for_free_even_with_no_budget() -> None:

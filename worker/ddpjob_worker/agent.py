@@ -41,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import json
 import logging
 import os
 import signal
@@ -100,6 +101,7 @@ from ddpjob_worker.policy import (
     WorkerStatus,
     best_store,
     decide,
+    failure_cause,
     format_report,
     is_membership_change,
     is_root_cause,
@@ -309,7 +311,7 @@ class DdpjobAgent(LocalElasticAgent):
             if status is None:
                 raise RuntimeError(f"[{role}] worker group in unexpected state {result.state.name}")
             action, nodes_waiting, store_lost, collateral = self._next_action(
-                group, status, self._failed_at(result, noticed_at)
+                group, status, self._failure(result, noticed_at)
             )
             if action is Action.CONTINUE:
                 if status is WorkerStatus.HEALTHY:
@@ -366,7 +368,7 @@ class DdpjobAgent(LocalElasticAgent):
             last_write = time.monotonic()
 
     def _next_action(
-        self, group: WorkerGroup, status: WorkerStatus, failed_at: float
+        self, group: WorkerGroup, status: WorkerStatus, failure: FailureReport
     ) -> tuple[Action, int, bool, bool | None]:
         """``(action, nodes waiting, store lost, collateral)`` after one look at the workers."""
         nodes_waiting, store_lost = 0, False
@@ -377,7 +379,7 @@ class DdpjobAgent(LocalElasticAgent):
             # A member went silent: whatever our workers did, the group lost a member.
             collateral = True
         elif status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
-            collateral, store_lost = self._report_failure(group, failed_at)
+            collateral, store_lost = self._report_failure(group, failure)
         for _ in range(2):
             action = decide(
                 status,
@@ -390,7 +392,7 @@ class DdpjobAgent(LocalElasticAgent):
             if action is not Action.SETTLE_FIRST:
                 break
             # No restart left: giving up is final, so wait for the peers' reports first.
-            collateral, store_lost = self._settle_now(group, failed_at)
+            collateral, store_lost = self._settle_now(group)
         return action, nodes_waiting, store_lost, collateral
 
     def _broken(self) -> bool:
@@ -455,23 +457,32 @@ class DdpjobAgent(LocalElasticAgent):
             except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
                 logger.debug("could not check in to a round we left: %s", exc)
 
-    def _failed_at(self, result: RunResult, noticed_at: float) -> float:
-        """When our failure started: the first failed worker's exit, timed to the millisecond
-        (:mod:`ddpjob_worker.exits`); the moment we noticed it if that is unknown."""
+    def _failure(self, result: RunResult, noticed_at: float) -> FailureReport:
+        """Our failure: when it started (the first failed worker's exit, timed to the
+        millisecond by :mod:`ddpjob_worker.exits`; the moment we noticed it if that is unknown)
+        and its cause, from the workers' error files (:func:`failure_cause`)."""
         exited = self._exit_clock.earliest(f.pid for f in result.failures.values())
-        return noticed_at if exited is None else min(exited, noticed_at)
+        at = noticed_at if exited is None else min(exited, noticed_at)
+        cause = failure_cause(error_text(f) for f in result.failures.values())
+        return FailureReport(at, self._worker_group.group_rank or 0, cause)
 
-    def _report_failure(self, group: WorkerGroup, failed_at: float) -> tuple[bool | None, bool]:
+    def _report_failure(
+        self, group: WorkerGroup, failure: FailureReport
+    ) -> tuple[bool | None, bool]:
         """Report our failure to the round's store. Returns ``(collateral, store_lost)``:
         collateral is ``None`` (not known yet: settled later) once the report is in.
 
-        Who is charged is decided from the agents' wall clocks at the moment each one's first
-        failed worker exited (``failed_at``): the root cause's worker dies first, the others'
-        only fail once it is gone (its sockets close) and they have unwound. The reports are
-        compared once the next round has formed (:meth:`_settle`): every member of the old round
-        that is in the new one reported before it joined, so all the reports that matter are in
-        by then, and nobody waits for them. Limits (docs/agent.md): clocks must agree to well
-        within that gap; two independent failures in one round charge only the earliest.
+        Who is charged is decided first from what the workers' error files say
+        (:func:`failure_cause`): a worker's own error is always charged, and a node whose
+        collective failed under it (a communication error) comes after every other. Among
+        the rest, from the agents' wall clocks at the moment each one's first failed worker
+        exited (``failure.at``): the root cause's worker dies first, the others' only fail
+        once it is gone (its sockets close) and they have unwound. The reports are compared
+        once the next round has formed (:meth:`_settle`): every member of the old round that
+        is in the new one reported before it joined, so all the reports that matter are in
+        by then, and nobody waits for them. Limits (docs/agent.md): without error files,
+        clocks must agree to well within that gap; two independent failures with no error
+        file in one round charge only the earliest.
 
         In a DDPJob pod, when the store does not answer and we do not host it, its host is gone
         (say pod 0 spent its budget and exited, as it does without closing the rendezvous):
@@ -484,7 +495,8 @@ class DdpjobAgent(LocalElasticAgent):
         if store is None or node is None:
             return False, False
         try:
-            store.append(FAILURE_REPORTS_KEY, format_report(FailureReport(failed_at, node)))
+            report = FailureReport(failure.at, node, failure.cause)
+            store.append(FAILURE_REPORTS_KEY, format_report(report))
         except (RuntimeError, OSError) as exc:  # store trouble (DistError is a RuntimeError)
             return self._store_trouble(exc)
         return None, False
@@ -504,7 +516,7 @@ class DdpjobAgent(LocalElasticAgent):
         logger.warning("could not compare failure reports, charging this one: %s", exc)
         return False, False
 
-    def _settle_now(self, group: WorkerGroup, failed_at: float) -> tuple[bool, bool]:
+    def _settle_now(self, group: WorkerGroup) -> tuple[bool, bool]:
         """With no restart left: wait (at most the settle window) until an earlier report than
         ours is in or every node of the round has reported, then say whether ours is collateral.
         """
@@ -572,7 +584,7 @@ class DdpjobAgent(LocalElasticAgent):
     def _log_reports(reports: list[FailureReport], node: int, *, collateral: bool) -> None:
         logger.info(
             "failure reports of this round: %s; ours (node %d) is %s",
-            ", ".join(f"node {r.node} at {r.at:.3f}" for r in sorted(reports)),
+            ", ".join(f"node {r.node} at {r.at:.3f} ({r.cause})" for r in sorted(reports)),
             node,
             "collateral (free restart)" if collateral else "the root cause",
         )
@@ -1424,6 +1436,19 @@ def _watched(addresses: dict[str, str], *, me: str, host: str | None) -> dict[st
     if host in addresses:
         chosen.add(host)
     return {node: addresses[node] for node in sorted(chosen)}
+
+
+NO_ERROR_FILE = "<N/A>"
+"""torch's ``ProcessFailure.error_file`` for a worker that wrote none."""
+
+
+def error_text(failure: Any) -> str | None:
+    """What a failed worker (torch's ``ProcessFailure``) wrote to its error file, as text; None
+    when it wrote none."""
+    data = getattr(failure, "error_file_data", None)
+    if not data or getattr(failure, "error_file", NO_ERROR_FILE) == NO_ERROR_FILE:
+        return None  # torch's stand-in then is {"message": "<NONE>"}
+    return json.dumps(data, default=str)
 
 
 def _describe_failure(result: RunResult) -> Failure:

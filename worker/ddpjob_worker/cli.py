@@ -38,9 +38,11 @@ from ddpjob_worker.errors import (
     ConfigError,
 )
 from ddpjob_worker.policy import (
+    CAUSE_COMM,
     DEFAULT_HEARTBEAT_SECONDS,
     Settings,
     exit_code_for_worker,
+    failure_cause,
     parse_bool,
     resolve_settings,
     static_master,
@@ -276,10 +278,16 @@ def _main(args: argparse.Namespace, writer: StateWriter, early: list[warm.Spare]
         writer.update(phase=Phase.STOPPED)
         return EXIT_STOPPED
     except ChildFailedError as exc:
+        from ddpjob_worker.agent import error_text
+
         print(exc.format_msg(), file=sys.stderr, flush=True)  # type: ignore[no-untyped-call]
         _, first = exc.get_first_failure()
-        code = exit_code_for_worker(first.exitcode)
-        return fail(f"workers failed: {exc.name} (first failure exit code {first.exitcode})", code)
+        reason = f"workers failed: {exc.name} (first failure exit code {first.exitcode})"
+        if failure_cause(error_text(f) for f in exc.failures.values()) == CAUSE_COMM:
+            # A peer went away under the collective: retryable, never the script's 1, which
+            # restartPolicy: ExitCode takes for a permanent failure of the job.
+            return fail(f"{reason}: a communication error (retryable)", EXIT_INFRA)
+        return fail(reason, exit_code_for_worker(first.exitcode))
     except RendezvousClosedError as exc:
         # Only outside a DDPJob pod: there, agents that give up do not close the rendezvous.
         # Another agent closed it because its workers failed for good: the job has ended.

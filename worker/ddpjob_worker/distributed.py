@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
+import sys
+import time
+import traceback
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     import torch
 
 DEFAULT_TIMEOUT_SECONDS = 120.0
@@ -51,6 +57,40 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
 
 
+_recording: list[bool] = []
+
+
+def _record_uncaught_errors() -> None:
+    """Write an uncaught exception of the script to torch's error file
+    (``TORCHELASTIC_ERROR_FILE``, in the format of torch's ``@record``), as ``@record`` would:
+    the agent reads it to tell a worker's own error from a collective that failed under it
+    (docs/agent.md, "Who is charged"). Once per process; a file already written (by
+    ``@record``) is kept."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or _recording:
+        return
+    _recording.append(True)
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        try:
+            if not os.path.exists(path):
+                message = {
+                    "message": f"{kind.__name__}: {value}",
+                    "extraInfo": {
+                        "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+                        "timestamp": str(int(time.time())),
+                    },
+                }
+                with open(path, "w", encoding="utf-8") as handle:
+                    json.dump({"message": message}, handle)
+        except Exception:  # noqa: S110 - the traceback below is what matters
+            pass
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 def init_distributed(
     *, backend: str | None = None, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
 ) -> DistInfo:
@@ -80,6 +120,7 @@ def init_distributed(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    _record_uncaught_errors()
     if not dist.is_initialized():
         dist.init_process_group(
             backend=chosen,

@@ -433,38 +433,94 @@ With restarts left nobody waits: the charge is settled once the next round has f
 FAILURE_REPORTS_KEY = "ddpjob/failures"
 
 
+CAUSE_ERROR = "error"
+"""A worker's own exception: its error file holds one that is no communication error."""
+CAUSE_UNKNOWN = "unknown"
+"""No error file (a signal, ``os._exit``, a script that records no error): only time tells."""
+CAUSE_COMM = "comm"
+"""A collective or the store failed under the worker: a peer went away, not this node's fault."""
+_CAUSE_RANK = {CAUSE_ERROR: 0, CAUSE_UNKNOWN: 1, CAUSE_COMM: 2}
+COMM_ERROR_MARKS = (
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "gloo/transport",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+    "ncclSystemError",
+    "Watchdog caught collective operation timeout",
+)
+"""What the error of a worker whose collective failed under it says (torch's c10d errors, gloo's
+transport, NCCL's remote and watchdog errors)."""
+
+
+def failure_cause(errors: Iterable[str | None]) -> str:
+    """A node's cause (:data:`CAUSE_ERROR`, :data:`CAUSE_UNKNOWN` or :data:`CAUSE_COMM`) from
+    its failed workers' error files (their text; None for a worker that wrote none): its own
+    error if any worker has one, else unknown if any worker wrote nothing, else comm."""
+    causes = [
+        CAUSE_UNKNOWN
+        if text is None
+        else CAUSE_COMM
+        if any(mark in text for mark in COMM_ERROR_MARKS)
+        else CAUSE_ERROR
+        for text in errors
+    ]
+    return min(causes, key=_CAUSE_RANK.__getitem__, default=CAUSE_UNKNOWN)
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class FailureReport:
-    """One agent's report of its workers' failure in a round: when it noticed, and who it is."""
+    """One agent's report of its workers' failure in a round: when it noticed, who it is, and
+    what its workers said (:func:`failure_cause`)."""
 
     at: float
     node: int
+    cause: str = CAUSE_UNKNOWN
+
+    @property
+    def rank(self) -> tuple[int, float, int]:
+        """The order of blame: an own error before no word before a communication error, then
+        the earliest, then the lowest node."""
+        return (_CAUSE_RANK.get(self.cause, _CAUSE_RANK[CAUSE_UNKNOWN]), self.at, self.node)
 
 
 def format_report(report: FailureReport) -> str:
-    return f"{report.at:.6f}@{report.node};"
+    if report.cause == CAUSE_UNKNOWN:
+        return f"{report.at:.6f}@{report.node};"  # as agents before the cause wrote it
+    return f"{report.at:.6f}@{report.node}@{report.cause};"
 
 
 def parse_reports(text: str) -> list[FailureReport]:
     """Parse the round's appended reports; malformed items (a torn write) are skipped."""
     reports = []
     for item in text.split(";"):
-        at, sep, node = item.strip().partition("@")
+        at, sep, rest = item.strip().partition("@")
+        node, _, cause = rest.partition("@")
         if not sep:
             continue
         try:
-            reports.append(FailureReport(at=float(at), node=int(node)))
+            reports.append(
+                FailureReport(at=float(at), node=int(node), cause=cause or CAUSE_UNKNOWN)
+            )
         except ValueError:
             continue
     return reports
 
 
 def settled(reports: list[FailureReport], node: int, nodes: int) -> bool | None:
-    """Whether ``node``'s failure is collateral, if the reports already say: ``True`` once an
-    earlier report than ours is in, ``False`` once all ``nodes`` of the round have reported and
-    ours is the earliest, ``None`` while it could still go either way. Without a report of ours
-    there is nothing to compare: ``False`` (charged, as torch would)."""
-    if all(r.node != node for r in reports):
+    """Whether ``node``'s failure is collateral, if the reports already say: ``False`` at once
+    for a worker's own error, ``True`` once a report that outranks ours is in
+    (:attr:`FailureReport.rank`), ``False`` once all ``nodes`` of the round have reported and
+    none does, ``None`` while it could still go either way. Without a report of ours there is
+    nothing to compare: ``False`` (charged, as torch would)."""
+    mine = [r for r in reports if r.node == node]
+    if not mine:
+        return False
+    if min(r.rank for r in mine)[0] == _CAUSE_RANK[CAUSE_ERROR]:
         return False
     if not is_root_cause(reports, node):
         return True
@@ -474,13 +530,18 @@ def settled(reports: list[FailureReport], node: int, nodes: int) -> bool | None:
 
 
 def is_root_cause(reports: list[FailureReport], node: int) -> bool:
-    """Whether ``node``'s failure is the round's root cause: the earliest report (ties broken by
-    node rank, so exactly one node is charged). A node with no report counts as root cause
-    (nothing to compare with: charge, as torch would)."""
-    mine = [r for r in reports if r.node == node]
+    """Whether ``node``'s failure is charged. A worker's own error always is (a crash on every
+    rank charges every node, as torchrun would); otherwise the report that ranks first
+    (:attr:`FailureReport.rank`: no word before a communication error, then the earliest, ties
+    broken by node rank), so that a node whose collective broke under it is never charged
+    while another said nothing or failed on its own, whatever the clocks say. A node with no
+    report counts as root cause (nothing to compare with: charge, as torch would)."""
+    mine = [r.rank for r in reports if r.node == node]
     if not mine:
         return True
-    return min(reports) >= min(mine)
+    if min(mine)[0] == _CAUSE_RANK[CAUSE_ERROR]:
+        return True
+    return min(r.rank for r in reports) >= min(mine)
 
 
 def round_is_full(
