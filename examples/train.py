@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpjob_worker import init_distributed
+from ddpjob_worker import init_distributed, saving
 
 CKPT_NAME = "latest.pt"
 FEATURES = 32
@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoint directory (default: $DDPJOB_CKPT_DIR or ./ckpt)",
     )
     parser.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps")
+    parser.add_argument(
+        "--ckpt-write-seconds",
+        type=float,
+        default=0.0,
+        help="spend this long writing each checkpoint (a large one), in 0.1 s chunks",
+    )
     parser.add_argument("--step-sleep", type=float, default=0.0, help="sleep per step (s)")
     parser.add_argument(
         "--crash-always", action="store_true", help="exit 1 at step 0 on every rank"
@@ -140,12 +146,24 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return int(state["step"])
 
 
-def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+def save(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    write_seconds: float = 0.0,
+) -> None:
+    """Write atomically (a temporary file, then ``os.replace``): a reader sees the old
+    checkpoint or the new one, never a torn file. ``saving()`` lets the write finish before
+    ddpjob-agent stops this worker and holds a SIGTERM until then."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with saving():
+        torch.save(state, tmp)
+        for _ in range(round(write_seconds / 0.1)):  # a large checkpoint's write
+            time.sleep(0.1)
+        os.replace(tmp, path)
     say(f"ckpt step={step}")
 
 
@@ -204,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"step={step} rank={rank} world={world} loss={loss.item():.6f}")
         done = step + 1
         if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):
-            save(ckpt, model, optimizer, done)
+            save(ckpt, model, optimizer, done, args.ckpt_write_seconds)
         if args.step_sleep:
             time.sleep(args.step_sleep)
     dist.barrier()

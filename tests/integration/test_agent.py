@@ -570,3 +570,23 @@ def test_giving_up_after_a_communication_error_is_retryable(
     assert state.phase is Phase.FAILED
     assert state.last_failure is not None and state.last_failure.exit_code == code, state
     cluster.assert_clean()
+
+
+def test_a_checkpoint_being_written_is_finished_before_its_worker_is_stopped(
+    make_cluster: MakeCluster,
+) -> None:
+    # Rank 0 writes its step-10 checkpoint for 2 s (a large one) inside saving(); pod 1 crashes
+    # meanwhile. A broken round stops workers 0.25 s after SIGTERM: the write was killed and
+    # the job resumed from step 5 (review finding 6). The agent now lets the write finish.
+    cluster = make_cluster(min_nodes=2, max_nodes=2, max_restarts=2)
+    args = [
+        *train_args(30, sleep=0.05),
+        *("--ckpt-write-seconds", "2"),
+        *("--crash-once-on-pod", "1", "--crash-step", "10", "--crash-delay", "0.5"),
+    ]
+    nodes = [cluster.start(i, args) for i in range(2)]
+    finish_ok(cluster, nodes, 120)
+    text = nodes[0].text()
+    assert "is saving a checkpoint: letting it finish" in text, cluster.logs()
+    assert "DDPJOB ckpt step=10" in text, text
+    assert [node.resumes()[1][0] for node in nodes] == [10, 10], cluster.logs()

@@ -222,6 +222,12 @@ def test_resolve_settings(
         ({"is_host": "maybe"}, {}, "'maybe' is not a boolean"),
         ({"join_timeout": "soon"}, {}, "join_timeout='soon' is not a number"),
         ({}, {"DDPJOB_GRACE_SECONDS": "-1"}, "DDPJOB_GRACE_SECONDS='-1' must not be negative"),
+        ({}, {"DDPJOB_STOP_SECONDS": "fast"}, "DDPJOB_STOP_SECONDS='fast' is not a number"),
+        (
+            {},
+            {"DDPJOB_RESTART_STOP_SECONDS": "-3"},
+            "DDPJOB_RESTART_STOP_SECONDS='-3' must not be negative",
+        ),
     ],
 )
 def test_resolve_settings_names_the_bad_value(
@@ -258,3 +264,16 @@ def test_split_endpoint(endpoint: str, expected: tuple[str, int]) -> None:
 def test_split_endpoint_errors(endpoint: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         split_endpoint(endpoint)
+
+
+def test_the_stop_timeouts_are_configurable() -> None:
+    assert (
+        resolve_settings({}, {}).stop_seconds,
+        resolve_settings({}, {}).restart_stop_seconds,
+    ) == (
+        0.25,
+        3.0,
+    )
+    env = {"DDPJOB_STOP_SECONDS": "1.5", "DDPJOB_RESTART_STOP_SECONDS": "20"}
+    settings = resolve_settings({}, env)
+    assert (settings.stop_seconds, settings.restart_stop_seconds) == (1.5, 20.0)

@@ -444,3 +444,29 @@ def test_early_spares_get_torchruns_omp_default_when_torchrun_will_set_it(
     cli._early_spares(argv, env, [])
     assert asked == [count]
     assert os.environ.get("OMP_NUM_THREADS") == omp
+
+
+SAVES = """
+import os, signal
+from pathlib import Path
+from ddpjob_worker import saving
+marker = Path(os.environ["DDPJOB_SAVING_DIR"]) / str(os.getpid())
+with saving():
+    print("marker", marker.exists(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the pod stops mid-save
+    print("still saving", flush=True)
+print("after the save", flush=True)
+"""
+
+
+def test_saving_announces_the_save_and_holds_a_sigterm_until_it_ends(tmp_path: Path) -> None:
+    script = tmp_path / "saves.py"
+    script.write_text(SAVES)
+    env = dict(os.environ, DDPJOB_SAVING_DIR=str(tmp_path))
+    done = subprocess.run(
+        [PY, str(script)], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    # The held SIGTERM is delivered once the block ends: the default action, at once.
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert done.stdout.splitlines() == ["marker True", "still saving"]
+    assert [p.name for p in tmp_path.iterdir()] == ["saves.py"]  # the marker is gone

@@ -1,8 +1,10 @@
-"""ddpjob's worker side: the ``ddpjob-agent`` elastic launcher and ``init_distributed()``.
+"""ddpjob's worker side: the ``ddpjob-agent`` elastic launcher, ``init_distributed()`` and
+``saving()``.
 
 Importing this package does not import torch; :func:`init_distributed` imports it when called.
 """
 
 from ddpjob_worker.distributed import DistInfo, init_distributed
+from ddpjob_worker.saving import saving
 
-__all__ = ["DistInfo", "init_distributed"]
+__all__ = ["DistInfo", "init_distributed", "saving"]

@@ -86,13 +86,11 @@ from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError, WorkersStuckError
 from ddpjob_worker.exits import ExitClock
 from ddpjob_worker.policy import (
-    BROKEN_STOP_SECONDS,
     FAILURE_REPORTS_KEY,
     FAILURE_SETTLE_SECONDS,
     HOST_LINGER_SECONDS,
     REAP_SECONDS,
     RECOVERY_PROBE_CAP_SECONDS,
-    RESTART_STOP_SECONDS,
     Action,
     Budget,
     FailureReport,
@@ -120,6 +118,7 @@ from ddpjob_worker.rendezvous import (
     ident,
     seed_incarnation,
 )
+from ddpjob_worker.saving import marker as saving_marker
 from ddpjob_worker.state import AgentState, Failure, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.agent")
@@ -197,7 +196,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._unsettled: tuple[Any, int] | None = None
         self._left_run = False
         self._round_over: frozenset[str] = frozenset()  # why peers said our round is over
-        self._stop_seconds: float = RESTART_STOP_SECONDS
+        self._stop_seconds: float = settings.restart_stop_seconds
         self._liveness: liveness.Listener | None = None
         self._said: dict[str, Any] = {"v": 1}  # our liveness answer's store part
         state.on_update = self._answer
@@ -362,7 +361,9 @@ class DdpjobAgent(LocalElasticAgent):
             )
             self._sync_budget(phase=Phase.RECOVERING)
             intact = status is WorkerStatus.HEALTHY and not (self._broken() or store_lost)
-            self._stop_seconds = RESTART_STOP_SECONDS if intact else BROKEN_STOP_SECONDS
+            self._stop_seconds = (
+                self._settings.restart_stop_seconds if intact else self._settings.stop_seconds
+            )
             self._restart_workers(group)
             self._state.update(phase=Phase.RUNNING)
             last_write = time.monotonic()
@@ -428,7 +429,7 @@ class DdpjobAgent(LocalElasticAgent):
             # not when our heartbeats lapse (the rendezvous stays open for the replacement).
             self._left_run = True
             self._leave()
-        self._stop_seconds = BROKEN_STOP_SECONDS
+        self._stop_seconds = self._settings.stop_seconds
         self._stop_workers(group)
         group.state = WorkerState.FAILED
         self.gave_up = True
@@ -789,9 +790,43 @@ class DdpjobAgent(LocalElasticAgent):
         torch waits 30 s here. A pod's graceful stop (SIGTERM to the agent) still gets the full
         grace period: torch's ``run()`` calls ``_shutdown`` with it directly.
         """
+        self._wait_saves(self._settings.grace_seconds)
         # torch types the timeout int, but only adds it to a deadline: a fraction is kept.
         self._shutdown(timeout=self._stop_seconds)  # type: ignore[arg-type]
         self._wait_gone(REAP_SECONDS)
+
+    def _wait_saves(self, limit: float) -> None:
+        """Before stopping our workers, let those writing a checkpoint (inside
+        ``ddpjob_worker.saving()``) finish it, for up to ``limit`` seconds."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        deadline = time.monotonic() + limit
+        told = False
+        while True:
+            busy = [
+                handler.proc.pid
+                for handler in handlers.values()
+                if handler.proc.poll() is None
+                and (path := saving_marker(handler.proc.pid)) is not None
+                and path.exists()
+            ]
+            if not busy:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "worker pid %s still saving a checkpoint after %gs: stopping it anyway",
+                    ", ".join(map(str, busy)),
+                    limit,
+                )
+                return
+            if not told:
+                told = True
+                logger.info(
+                    "worker pid %s is saving a checkpoint: letting it finish (up to %gs) "
+                    "before stopping it",
+                    ", ".join(map(str, busy)),
+                    limit,
+                )
+            time.sleep(0.05)
 
     def _wait_gone(self, limit: float) -> None:
         """Wait up to ``limit`` seconds for the stopped workers to be gone (:data:`REAP_SECONDS`:

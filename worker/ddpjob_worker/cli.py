@@ -14,7 +14,9 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -23,6 +25,7 @@ from typing import Any, NoReturn
 from ddpjob_worker import compat, signals, warm
 from ddpjob_worker.contract import (
     DDPJOB_GRACE_SECONDS,
+    DDPJOB_SAVING_DIR,
     DDPJOB_STATE_FILE,
     DDPJOB_WARM_WORKERS,
     PET_NPROC_PER_NODE,
@@ -171,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signals.install()
     early: list[warm.Spare] = []
     writer: StateWriter | None = None
+    saving_dir = _saving_dir(os.environ)
     try:
         # Before torch's own import below: the first workers' imports overlap ours.
         _early_spares(argv, os.environ, early)
@@ -193,8 +197,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spare in early:  # the agent has handed them over or killed them, unless it failed
             if spare.proc.stdin is not None and not spare.proc.stdin.closed:
                 spare.kill()
+        if saving_dir is not None:
+            shutil.rmtree(saving_dir, ignore_errors=True)
+            os.environ.pop(DDPJOB_SAVING_DIR, None)
     signals.ignore()
     return _exit_now(code)
+
+
+def _saving_dir(env: MutableMapping[str, str]) -> str | None:
+    """A directory of our own for ``ddpjob_worker.saving()`` markers, named to the workers (and
+    the spares, before they start) in ``DDPJOB_SAVING_DIR``; None if one is set already."""
+    if env.get(DDPJOB_SAVING_DIR):
+        return None
+    try:
+        directory = tempfile.mkdtemp(prefix="ddpjob-saving-")
+    except OSError as exc:  # workers then save unannounced, as under torchrun
+        logger.warning("no directory for checkpoint markers (%s): saves are not waited for", exc)
+        return None
+    env[DDPJOB_SAVING_DIR] = directory
+    return directory
 
 
 def _early_spares(argv: Sequence[str], env: Mapping[str, str], into: list[warm.Spare]) -> None:

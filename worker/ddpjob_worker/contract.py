@@ -37,6 +37,16 @@ DDPJOB_STATE_FILE = "DDPJOB_STATE_FILE"
 """Where the agent keeps its JSON state (round, world size, restarts, last failure)."""
 DDPJOB_GRACE_SECONDS = "DDPJOB_GRACE_SECONDS"
 """How long the agent waits for its workers after forwarding SIGTERM before it kills them."""
+DDPJOB_STOP_SECONDS = "DDPJOB_STOP_SECONDS"
+"""How long workers get after SIGTERM when their round is over (a worker failed, here or on a
+peer, or a peer left) before their SIGKILL: 0.25 s by default. A checkpoint being written
+(``ddpjob_worker.saving()``) gets the grace period first."""
+DDPJOB_RESTART_STOP_SECONDS = "DDPJOB_RESTART_STOP_SECONDS"
+"""The same for healthy workers restarted to admit a new node (a scale-up): 3 s by default."""
+DDPJOB_SAVING_DIR = "DDPJOB_SAVING_DIR"
+"""Set by ddpjob-agent for its workers: where ``ddpjob_worker.saving()`` says a checkpoint is
+being written (a file named by the worker's pid), so that the agent lets it finish before it
+stops the worker."""
 DDPJOB_WARM_WORKERS = "DDPJOB_WARM_WORKERS"
 """``0`` turns off ddpjob-agent's warm workers (a spare process per local rank with torch
 imported, handed the next restart's worker: :mod:`ddpjob_worker.warm`). On by default."""

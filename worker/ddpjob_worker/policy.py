@@ -272,6 +272,10 @@ class Settings:
     """``DDPJOB_DIRECTORY_PORT``: where our liveness socket listens (0: a free port)."""
     peers: tuple[str, ...] = ()
     """``DDPJOB_RDZV_PEERS``: where the job's agents answer. Set: store failover is on."""
+    stop_seconds: float = BROKEN_STOP_SECONDS
+    """``DDPJOB_STOP_SECONDS``: SIGTERM to SIGKILL when the round is over."""
+    restart_stop_seconds: float = RESTART_STOP_SECONDS
+    """``DDPJOB_RESTART_STOP_SECONDS``: the same for healthy workers on a scale-up."""
 
     @property
     def failover(self) -> bool:
@@ -351,7 +355,16 @@ def resolve_settings(
             raise ValueError(
                 f"{contract.DDPJOB_RDZV_PEERS}: {peer!r} needs a port (host:port, comma-separated)"
             )
+    stops = {
+        name: parse_seconds(name, env[name]) if env.get(name, "").strip() else default
+        for name, default in (
+            (contract.DDPJOB_STOP_SECONDS, BROKEN_STOP_SECONDS),
+            (contract.DDPJOB_RESTART_STOP_SECONDS, float(RESTART_STOP_SECONDS)),
+        )
+    }
     return Settings(
+        stop_seconds=stops[contract.DDPJOB_STOP_SECONDS],
+        restart_stop_seconds=stops[contract.DDPJOB_RESTART_STOP_SECONDS],
         pod_index=pod_index,
         directory_port=directory_port,
         peers=peers,

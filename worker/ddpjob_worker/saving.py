@@ -1,0 +1,65 @@
+"""``saving()``: tell ddpjob-agent that this worker is writing a checkpoint. Stdlib only.
+
+A restart stops workers fast (SIGTERM, SIGKILL 0.25 s later when the round is over): a worker
+blocked in a broken collective has nothing to lose. A worker that is writing a checkpoint has:
+killed mid-write, it loses the newest checkpoint, and a save that is not atomic leaves a torn
+file that every rank then fails to load. Inside ``with saving():``
+
+* the agent waits for the block to end (up to its grace period, ``DDPJOB_GRACE_SECONDS``)
+  before it stops the worker, and
+* a SIGTERM (the pod stops; the agent forwards it) is held until the block ends, then
+  delivered to the script's own handler (or the default action).
+
+Outside ddpjob-agent (``DDPJOB_SAVING_DIR`` unset) only the second holds. Save atomically all
+the same (write to a temporary file in the same directory, then ``os.replace``): nothing
+protects a save from a SIGKILL, an OOM kill or a lost node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+from ddpjob_worker.contract import DDPJOB_SAVING_DIR
+
+
+def marker(pid: int, directory: str | None = None) -> Path | None:
+    """Where the worker ``pid`` says it is saving, or None outside ddpjob-agent."""
+    directory = directory if directory is not None else os.environ.get(DDPJOB_SAVING_DIR)
+    return Path(directory) / str(pid) if directory else None
+
+
+@contextlib.contextmanager
+def saving() -> Iterator[None]:
+    """Hold off ddpjob-agent's stop and SIGTERM while the block writes a checkpoint (see the
+    module doc). Nests; use it on the thread that handles signals (the main one) to hold
+    SIGTERM."""
+    held: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    path = marker(os.getpid())
+    outer = path is not None and path.exists()
+    if main:
+        signal.signal(signal.SIGTERM, hold)
+    try:
+        if path is not None and not outer:
+            with contextlib.suppress(OSError):
+                path.touch()
+        yield
+    finally:
+        if path is not None and not outer:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+            if held:
+                signal.raise_signal(signal.SIGTERM)
