@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -590,3 +591,29 @@ def test_a_checkpoint_being_written_is_finished_before_its_worker_is_stopped(
     assert "is saving a checkpoint: letting it finish" in text, cluster.logs()
     assert "DDPJOB ckpt step=10" in text, text
     assert [node.resumes()[1][0] for node in nodes] == [10, 10], cluster.logs()
+
+
+def test_the_store_host_waits_while_its_port_is_taken(make_cluster: MakeCluster) -> None:
+    # The pod 0 we replace may still hold the rendezvous port (terminating on a hostNetwork
+    # node): the new host tries again with a back-off instead of exiting 200 at once and
+    # burning the job's budget (issue 23). Here a plain socket holds the port for 2 s.
+    cluster = make_cluster(min_nodes=1, max_nodes=1)
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", cluster.port))
+    holder.listen()
+    try:
+        node = cluster.start(0, train_args(10))
+        wait_until(
+            "the host saying its port is in use",
+            lambda: "rendezvous port of" in node.text() and "is in use" in node.text(),
+            60,
+        )
+        time.sleep(2.0)
+        assert node.running(), node.text()
+        assert not node.steps()
+    finally:
+        holder.close()
+    assert node.wait_exit(120) == 0, node.text()
+    assert {step for step, _, _ in node.steps()} == set(range(10))
+    cluster.assert_clean()

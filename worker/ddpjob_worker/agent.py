@@ -103,6 +103,7 @@ from ddpjob_worker.policy import (
     format_report,
     is_membership_change,
     is_root_cause,
+    next_delay,
     parse_reports,
     settled,
     split_endpoint,
@@ -1665,11 +1666,56 @@ def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
     return [dict(answer.info) for answer in answers.values() if answer.info is not None]
 
 
+def _port_busy(exc: BaseException) -> bool:
+    """Whether torch could not host the store because its port is taken (EADDRINUSE)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if "EADDRINUSE" in str(cause) or "address already in use" in str(cause):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _host_store(
+    params: RendezvousParameters, settings: Settings, state: StateWriter
+) -> RendezvousHandler:
+    """Host the store at ``params.endpoint``; while its port is taken (the pod we replace may
+    still hold it, terminating, on a hostNetwork node), try again with a back-off up to the
+    join timeout, saying what we wait for."""
+    deadline = time.monotonic() + settings.join_timeout
+    attempt = 0
+    while True:
+        try:
+            return rdzv_registry.get_rendezvous_handler(params)
+        except RendezvousConnectionError as exc:
+            if not _port_busy(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise EndpointUnreachableError(
+                    f"could not host the rendezvous store at {params.endpoint}: its port stayed "
+                    f"in use for the join timeout ({settings.join_timeout:g}s); something else "
+                    "listens there (another job's store, on the same node with hostNetwork?)"
+                ) from exc
+            if attempt == 0:
+                state.update(phase=Phase.WAITING)
+            delay = next_delay(attempt, initial=0.2, cap=2.0)
+            logger.warning(
+                "the rendezvous port of %s is in use (the pod we replace may still hold it): "
+                "trying again in %.1fs, until the join timeout",
+                params.endpoint,
+                delay,
+            )
+            attempt += 1
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+
+
 def _first_handler(
     params: RendezvousParameters, settings: Settings, state: StateWriter, *, hosting: bool
 ) -> RendezvousHandler:
     """Wait for the endpoint (unless we host it), then create the rendezvous handler."""
     seed_incarnation()
+    if params.backend == "c10d" and hosting and params.endpoint:
+        return _host_store(params, settings, state)
     if params.backend != "c10d" or hosting or not params.endpoint:
         return rdzv_registry.get_rendezvous_handler(params)
     host, port = split_endpoint(params.endpoint)
