@@ -470,3 +470,20 @@ def test_saving_announces_the_save_and_holds_a_sigterm_until_it_ends(tmp_path: P
     assert done.returncode == -signal.SIGTERM, done.stderr
     assert done.stdout.splitlines() == ["marker True", "still saving"]
     assert [p.name for p in tmp_path.iterdir()] == ["saves.py"]  # the marker is gone
+
+
+def test_a_spare_that_dies_idle_is_reaped_and_replaced() -> None:
+    pool = WarmPool(1, preload=("json",), after_seconds=0)
+    try:
+        pool.tick()
+        (first,) = pool.idle
+        os.kill(first, signal.SIGKILL)  # the OOM killer's first choice
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{first}").exists() and time.monotonic() < deadline:
+            pool.tick()  # reaps it: no zombie left behind
+            time.sleep(0.02)
+        assert not Path(f"/proc/{first}").exists()
+        (second,) = pool.idle
+        assert second != first
+    finally:
+        pool.close()

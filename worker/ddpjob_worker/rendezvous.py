@@ -432,7 +432,10 @@ class FastRendezvous:
         if stop is not None:
             stop()
         deadline = time.monotonic() + LEAVE_TIMEOUT_SECONDS
-        self._handler._op_executor.run(_RendezvousExitOp(), deadline)
+        # Under the keep-alive's lock, as torch's own exit op runs: a keep-alive already in
+        # flight would otherwise write our heartbeat back over the removal.
+        with self._handler._heartbeat_lock:
+            self._handler._op_executor.run(_RendezvousExitOp(), deadline)
         logger.info("left the rendezvous (node %r)", self._node)
 
 

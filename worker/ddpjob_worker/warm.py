@@ -246,12 +246,17 @@ class WarmPool:
         self._group_started = time.monotonic()
 
     def tick(self) -> None:
-        """Start the missing spares, once the current group has run long enough."""
+        """Reap the spares that died idle (an OOM kill picks them first), and start the missing
+        ones, once the current group has run long enough."""
+        dead = [s for s in self._spares if s.proc.poll() is not None]
+        for gone in dead:
+            logger.info("a warm worker died idle (%s); starting another", gone.proc.returncode)
+            gone.release()
+        self._spares = [s for s in self._spares if s not in dead]
         if len(self._spares) >= self._slots:
             return
         if time.monotonic() - self._group_started < self._after_seconds:
             return
-        self._spares = [s for s in self._spares if s.proc.poll() is None]
         missing = self._slots - len(self._spares)
         if missing <= 0 or time.monotonic() < self._memory_look:
             return
@@ -273,11 +278,11 @@ class WarmPool:
         else:
             self._short = False
         for _ in range(fit):
-            spare = start_spare(self._label, python=self._python, preload=self._preload)
-            if spare is None:
+            started = start_spare(self._label, python=self._python, preload=self._preload)
+            if started is None:
                 self._slots = 0
                 return
-            self._spares.append(spare)
+            self._spares.append(started)
 
     def adopt(self, spares: Sequence[Spare]) -> None:
         """Take spares started before the agent (:func:`start_early`) for the first group.
