@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -617,3 +618,47 @@ def test_the_store_host_waits_while_its_port_is_taken(make_cluster: MakeCluster)
     assert node.wait_exit(120) == 0, node.text()
     assert {step for step, _, _ in node.steps()} == set(range(10))
     cluster.assert_clean()
+
+
+ORPHANS = """
+import os, sys, time
+for _ in range(3):
+    if os.fork() == 0:  # a child that leaves a grandchild behind, as a DataLoader worker might
+        if os.fork() == 0:
+            time.sleep(0.3)
+            os._exit(0)
+        os._exit(0)
+    os.wait()
+print("orphans left", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_as_pid_1_the_agent_reaps_the_orphans_its_workers_leave(tmp_path: Path) -> None:
+    # In a pod with no init the agent is PID 1: the worker's own children, orphaned, become its
+    # children, and their zombies stayed until the pod ended (review finding A). Here the agent
+    # runs as PID 1 of a PID namespace of its own.
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is needed to run the agent as PID 1")
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHANS)
+    log = tmp_path / "agent.log"
+    agent = [sys.executable, "-m", "ddpjob_worker.cli", "--standalone", "--nnodes", "1"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount", "--mount-proc", *agent, str(script), "6"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "DDPJOB_WARM_WORKERS": "0"},
+        )
+    try:
+        wait_until("the worker leaving orphans", lambda: "orphans left" in log.read_text(), 60)
+        (pid1,) = psutil.Process(proc.pid).children()  # unshare forks the namespace's PID 1
+        time.sleep(2.0)  # the grandchildren exit 0.3 s in; the agent looks once a second
+        zombies = [p for p in pid1.children() if p.status() == psutil.STATUS_ZOMBIE]
+        assert zombies == [], [(p.pid, p.name()) for p in zombies]
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

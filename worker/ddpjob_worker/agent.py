@@ -81,7 +81,7 @@ from torch.distributed.elastic.utils.store import (  # the barrier's check-in, t
 )
 from torch.distributed.launcher.api import LaunchConfig
 
-from ddpjob_worker import liveness, signals, warm
+from ddpjob_worker import liveness, orphans, signals, warm
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError, WorkersStuckError
 from ddpjob_worker.exits import ExitClock
@@ -153,6 +153,9 @@ _STATUS = {
 
 class DdpjobAgent(LocalElasticAgent):
     """``LocalElasticAgent`` that survives losing the store host and refunds membership changes."""
+
+    _next_reap = 0.0
+    """When :meth:`_reap_orphans` looks next (monotonic seconds)."""
 
     def __init__(
         self,
@@ -316,6 +319,7 @@ class DdpjobAgent(LocalElasticAgent):
             if action is Action.CONTINUE:
                 if status is WorkerStatus.HEALTHY:
                     self._tick_warm()
+                self._reap_orphans()
                 if time.monotonic() - last_write >= self._heartbeat_seconds:
                     self._state.update()
                     last_write = time.monotonic()
@@ -610,6 +614,21 @@ class DdpjobAgent(LocalElasticAgent):
         signals.install()  # torch's PContext.start replaced our handler with its own
         self._exit_clock.watch(pid for pid in ids.values() if isinstance(pid, int))
         return ids
+
+    def _reap_orphans(self) -> None:
+        """As PID 1 (a container with no init), once a second: reap the zombies of processes
+        our workers left behind (:mod:`ddpjob_worker.orphans`), never a process torch or the
+        warm pool waits for."""
+        if os.getpid() != 1 or time.monotonic() < self._next_reap:
+            return
+        self._next_reap = time.monotonic() + 1.0
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        known = {handler.proc.pid for handler in handlers.values()}
+        if self._warm is not None:
+            known.update(self._warm.idle)
+        reaped = orphans.reap(known)
+        if reaped:
+            logger.debug("reaped %d orphaned process(es): %s", len(reaped), reaped)
 
     def _tick_warm(self) -> None:
         """Start missing spares, and say in the state how many are ready."""
