@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -486,4 +487,85 @@ def test_a_spare_that_dies_idle_is_reaped_and_replaced() -> None:
         (second,) = pool.idle
         assert second != first
     finally:
+        pool.close()
+
+
+PICKLES_AT_EXIT = """
+import atexit, os, pickle, sys
+
+class Thing:
+    pass
+
+def save() -> None:  # an async checkpoint's upload, torch.save(model) at exit...
+    data = pickle.dumps(Thing())
+    with open(os.environ["REPORT_TO"], "wb") as f:
+        f.write(data)
+
+atexit.register(save)
+"""
+
+
+@pytest.mark.parametrize("module", [False, True])
+def test_a_warm_worker_keeps_its_main_module_after_the_body_as_a_cold_one_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: bool
+) -> None:
+    # runpy put its own __main__ back once the body returned: pickling a class of the script
+    # from an atexit handler failed in warm workers only (review finding 11).
+    (tmp_path / "atexit_pickle.py").write_text(PICKLES_AT_EXIT)
+    report = tmp_path / "thing.pickle"
+    monkeypatch.setenv("REPORT_TO", str(report))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    command = (
+        [PY, "-u", "-m", "atexit_pickle"]
+        if module
+        else [PY, "-u", str(tmp_path / "atexit_pickle.py")]
+    )
+    cold = subprocess.run(command, env=dict(os.environ), capture_output=True, check=False)
+    assert cold.returncode == 0 and report.exists(), cold.stderr
+    report.unlink()
+    pool = WarmPool(1, preload=("json",), after_seconds=0)
+    try:
+        pool.tick()
+        proc = pool.take(command, dict(os.environ), redirected=False)
+        assert proc is not None and wait(proc) == 0
+        assert report.exists()
+    finally:
+        pool.close()
+
+
+def test_a_large_handover_does_not_wait_for_the_spares_imports(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The agent writes the worker's argv and environment to the spare's stdin; beyond the
+    # pipe's 64 KiB the write blocked until the spare had imported torch and read it, and a
+    # spare stuck in an import hung the agent (review finding 11).
+    (tmp_path / "slow_import.py").write_text(GATED)
+    gate, report = tmp_path / "gate", tmp_path / "report.json"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("IMPORT_GATE", str(gate))
+    monkeypatch.setenv("REPORT_TO", str(report))
+    for i in range(8):  # 256 KiB in all (one variable may not exceed 128 KiB)
+        monkeypatch.setenv(f"SERVICE_{i}_PORT", "x" * (32 << 10))
+    pool = WarmPool(1, preload=("slow_import",), after_seconds=0)
+    try:
+        pool.tick()
+        script = tmp_path / "t.py"
+        script.write_text(REPORT)
+        taken: list[subprocess.Popen[bytes] | None] = []
+        thread = threading.Thread(
+            target=lambda: taken.append(
+                pool.take([PY, "-u", str(script)], dict(os.environ, RANK="0"), redirected=False)
+            ),
+            daemon=True,
+        )
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the handover waited for the spare's imports"
+        assert not report.exists()  # the spare still imports
+        gate.touch()
+        (proc,) = taken
+        assert proc is not None and wait(proc) == 0
+        assert json.loads(report.read_text())["rank"] == "0"
+    finally:
+        gate.touch()
         pool.close()

@@ -30,7 +30,9 @@ imports only the standard library (and torch in the spare itself).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -38,8 +40,11 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
+from importlib.machinery import ModuleSpec
 
 from ddpjob_worker.memory import Memory, container_memory
 
@@ -412,11 +417,19 @@ def run(argv: Sequence[str]) -> None:
     container_score = _oom_score_adj()
     if container_score is not None:
         _oom_score_adj(IDLE_OOM_SCORE_ADJ)
+    # Read the handover while we import: a payload beyond the pipe's 64 KiB (a namespace's many
+    # service variables) would otherwise block the agent's write until the imports are done.
+    received: list[bytes] = []
+    reader = threading.Thread(
+        target=lambda: received.append(sys.stdin.buffer.read()), name="handover", daemon=True
+    )
+    reader.start()
     try:
         _preload([name for name in options.get("--preload", "").split(",") if name])
     finally:
         _say_ready(ready_fd)
-    data = sys.stdin.buffer.read()
+    reader.join()
+    data = received[0] if received else b""
     if not data:
         return  # the agent closed the pool or died
     message = json.loads(data)
@@ -431,13 +444,49 @@ def run(argv: Sequence[str]) -> None:
     os.environ.update(message["env"])
     _stdin_to_devnull()
     if worker_argv[0] == "-m":
-        sys.argv = [worker_argv[1], *worker_argv[2:]]  # runpy sets argv[0] to the module's file
-        runpy.run_module(worker_argv[1], run_name="__main__", alter_sys=True)
+        _run_module(worker_argv[1], worker_argv[2:])
         return
     script = worker_argv[0]
     sys.argv = list(worker_argv)
     sys.path[0] = os.path.dirname(os.path.realpath(script))  # as python does for a script
-    runpy.run_path(script, run_name="__main__")
+    if not os.path.isfile(script):  # a directory or zip with __main__.py: runpy's to find
+        runpy.run_path(script, run_name="__main__")
+        return
+    with open(script, "rb") as handle:
+        source = handle.read()
+    _exec_as_main(compile(source, script, "exec"), file=script, spec=None)
+
+
+def _run_module(name: str, args: Sequence[str]) -> None:
+    """``python -m name args``: the module (a package's ``__main__``) as ``__main__``."""
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.submodule_search_locations is not None:
+        spec = importlib.util.find_spec(f"{name}.__main__")
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+        sys.argv = [name, *args]  # runpy sets argv[0] to the module's file
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [spec.origin or name, *args]
+    code = spec.loader.get_code(spec.name)
+    _exec_as_main(code, file=spec.origin, spec=spec)
+
+
+def _exec_as_main(code: types.CodeType, *, file: str | None, spec: ModuleSpec | None) -> None:
+    """Run ``code`` in a new ``__main__`` module that stays ``sys.modules["__main__"]`` for the
+    rest of the process, as python's own does: pickle looks a script's classes up there, from
+    an atexit handler or a thread that outlives the script's body too (``runpy`` puts its own
+    ``__main__`` back when the body returns)."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=file,
+        __cached__=None,
+        __spec__=spec,
+        __loader__=spec.loader if spec is not None else None,
+        __package__=spec.parent if spec is not None else None,
+        __builtins__=builtins,
+    )
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)  # noqa: S102 - the worker's own script, as python would run it
 
 
 if __name__ == "__main__":
