@@ -28,6 +28,7 @@ it was logged before the freeze, whenever its stream delivers it) and after the 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import socket
 import time
@@ -50,6 +51,7 @@ from tests.e2e.test_kind_operator import (
     lineage_problems,
     rank0_runs,
 )
+from tests.harness import is_idle_spare
 from tests.kube.fixtures import KubeTest
 
 from .operator_env import RealEnv, real_env, wait_for
@@ -348,6 +350,17 @@ def test_the_survivors_train_on_long_before_the_store_host_is_replaced(
     assert checkpoint_step(tmp_path) == steps
 
 
+def survivors(processes: list[psutil.Process]) -> list[str]:
+    described = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            described.append(
+                f"{process.pid} ppid {process.ppid()} {process.status()} "
+                f"idle spare {is_idle_spare(process.pid)}: {' '.join(process.cmdline())[:200]}"
+            )
+    return described
+
+
 def test_the_healed_store_host_trains_no_further_step(
     kube: KubeTest, tmp_path: Path, pod_logs: list[PodLogs]
 ) -> None:
@@ -372,12 +385,20 @@ def test_the_healed_store_host_trains_no_further_step(
         healed_at = time.monotonic()
         kube.heal_node(node, wait=False)
 
-        def dead() -> bool:
-            return not [
-                p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            ]
+        def alive() -> list[psutil.Process]:
+            left = []
+            for process in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                        left.append(process)
+            return left
 
-        wait_for(dead, "the old pod 0's processes killed by its node's kubelet", timeout=30)
+        try:
+            wait_for(
+                lambda: not alive(), "the old pod 0's processes killed by its node's kubelet", 45
+            )
+        except AssertionError as exc:  # say which ones, for the next one to look at
+            raise AssertionError(f"{exc}: still running: {survivors(alive())}") from None
         killed = time.monotonic() - healed_at
         later = log.read().decode(errors="replace").splitlines()
     print(f"node healed: the old pod 0's {len(processes)} processes killed after {killed:.2f}s; "

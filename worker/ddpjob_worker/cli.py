@@ -174,8 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signals.install()
     early: list[warm.Spare] = []
     writer: StateWriter | None = None
-    saving_dir = _saving_dir(os.environ)
+    saving_dir: str | None = None
     try:
+        saving_dir = _saving_dir(os.environ)
         # Before torch's own import below: the first workers' imports overlap ours.
         _early_spares(argv, os.environ, early)
         args = build_parser().parse_args(argv)
