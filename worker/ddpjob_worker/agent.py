@@ -50,7 +50,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from torch.distributed import DistNetworkError, DistStoreError
@@ -469,8 +469,7 @@ class DdpjobAgent(LocalElasticAgent):
         and its cause, from the workers' error files (:func:`failure_cause`)."""
         exited = self._exit_clock.earliest(f.pid for f in result.failures.values())
         at = noticed_at if exited is None else min(exited, noticed_at)
-        cause = failure_cause(error_text(f) for f in result.failures.values())
-        return FailureReport(at, self._worker_group.group_rank or 0, cause)
+        return FailureReport(at, self._worker_group.group_rank or 0, cause_of(result.failures))
 
     def _report_failure(
         self, group: WorkerGroup, failure: FailureReport
@@ -497,12 +496,10 @@ class DdpjobAgent(LocalElasticAgent):
         does, and we charge.
         """
         store = group.store
-        node = group.group_rank
-        if store is None or node is None:
+        if store is None or group.group_rank is None:
             return False, False
         try:
-            report = FailureReport(failure.at, node, failure.cause)
-            store.append(FAILURE_REPORTS_KEY, format_report(report))
+            store.append(FAILURE_REPORTS_KEY, format_report(failure))
         except (RuntimeError, OSError) as exc:  # store trouble (DistError is a RuntimeError)
             return self._store_trouble(exc)
         return None, False
@@ -615,6 +612,12 @@ class DdpjobAgent(LocalElasticAgent):
         self._exit_clock.watch(pid for pid in ids.values() if isinstance(pid, int))
         return ids
 
+    def _worker_procs(self) -> list[subprocess.Popen[bytes]]:
+        """The current workers' processes (torch's ``SubprocessContext``; none for function
+        entrypoints, which torch runs in a multiprocessing context)."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        return [handler.proc for handler in handlers.values()]
+
     def _reap_orphans(self) -> None:
         """As PID 1 (a container with no init), once a second: reap the zombies of processes
         our workers left behind (:mod:`ddpjob_worker.orphans`), never a process torch or the
@@ -622,8 +625,7 @@ class DdpjobAgent(LocalElasticAgent):
         if os.getpid() != 1 or time.monotonic() < self._next_reap:
             return
         self._next_reap = time.monotonic() + 1.0
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        known = {handler.proc.pid for handler in handlers.values()}
+        known = {proc.pid for proc in self._worker_procs()}
         if self._warm is not None:
             known.update(self._warm.idle)
         reaped = orphans.reap(known)
@@ -818,15 +820,15 @@ class DdpjobAgent(LocalElasticAgent):
     def _wait_saves(self, limit: float) -> None:
         """Before stopping our workers, let those writing a checkpoint (inside
         ``ddpjob_worker.saving()``) finish it, for up to ``limit`` seconds."""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        procs = self._worker_procs()
         deadline = time.monotonic() + limit
         told = False
         while True:
             busy = [
-                handler.proc.pid
-                for handler in handlers.values()
-                if handler.proc.poll() is None
-                and (path := saving_marker(handler.proc.pid)) is not None
+                proc.pid
+                for proc in procs
+                if proc.poll() is None
+                and (path := saving_marker(proc.pid)) is not None
                 and path.exists()
             ]
             if not busy:
@@ -852,8 +854,7 @@ class DdpjobAgent(LocalElasticAgent):
         """Wait up to ``limit`` seconds for the stopped workers to be gone (:data:`REAP_SECONDS`:
         torch gives up on them after the short stop timeout, while a GPU process may still
         hold its device)."""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        procs = [handler.proc for handler in handlers.values() if handler.proc.poll() is None]
+        procs = [proc for proc in self._worker_procs() if proc.poll() is None]
         if not procs:
             return
         logger.warning(
@@ -1497,13 +1498,18 @@ NO_ERROR_FILE = "<N/A>"
 """torch's ``ProcessFailure.error_file`` for a worker that wrote none."""
 
 
-def error_text(failure: Any) -> str | None:
+def _error_text(failure: Any) -> str | None:
     """What a failed worker (torch's ``ProcessFailure``) wrote to its error file, as text; None
     when it wrote none."""
     data = getattr(failure, "error_file_data", None)
     if not data or getattr(failure, "error_file", NO_ERROR_FILE) == NO_ERROR_FILE:
         return None  # torch's stand-in then is {"message": "<NONE>"}
     return json.dumps(data, default=str)
+
+
+def cause_of(failures: Mapping[int, Any]) -> str:
+    """The cause (:func:`failure_cause`) of torch's failures by rank (``ProcessFailure``s)."""
+    return failure_cause(_error_text(f) for f in failures.values())
 
 
 def _describe_failure(result: RunResult) -> Failure:

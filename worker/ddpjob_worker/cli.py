@@ -45,7 +45,6 @@ from ddpjob_worker.policy import (
     DEFAULT_HEARTBEAT_SECONDS,
     Settings,
     exit_code_for_worker,
-    failure_cause,
     parse_bool,
     resolve_settings,
     static_master,
@@ -300,12 +299,12 @@ def _main(args: argparse.Namespace, writer: StateWriter, early: list[warm.Spare]
         writer.update(phase=Phase.STOPPED)
         return EXIT_STOPPED
     except ChildFailedError as exc:
-        from ddpjob_worker.agent import error_text
+        from ddpjob_worker.agent import cause_of
 
         print(exc.format_msg(), file=sys.stderr, flush=True)  # type: ignore[no-untyped-call]
         _, first = exc.get_first_failure()
         reason = f"workers failed: {exc.name} (first failure exit code {first.exitcode})"
-        if failure_cause(error_text(f) for f in exc.failures.values()) == CAUSE_COMM:
+        if cause_of(exc.failures) == CAUSE_COMM:
             # A peer went away under the collective: retryable, never the script's 1, which
             # restartPolicy: ExitCode takes for a permanent failure of the job.
             return fail(f"{reason}: a communication error (retryable)", EXIT_INFRA)

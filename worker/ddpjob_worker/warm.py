@@ -262,9 +262,9 @@ class WarmPool:
             return
         if time.monotonic() - self._group_started < self._after_seconds:
             return
-        missing = self._slots - len(self._spares)
-        if missing <= 0 or time.monotonic() < self._memory_look:
+        if time.monotonic() < self._memory_look:
             return
+        missing = self._slots - len(self._spares)
         memory = self._memory()
         fit = spares_that_fit(missing, memory)
         if fit < missing:
