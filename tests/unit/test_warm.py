@@ -298,13 +298,26 @@ with open(os.environ["REPORT_TO"], "w") as f:
 """
 
 
+def gated_import(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A module ``slow_import`` on the path whose import waits for the returned file to exist."""
+    (tmp_path / "slow_import.py").write_text(GATED)
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("IMPORT_GATE", str(gate))
+    return gate
+
+
+def wait_ready(pool: WarmPool, timeout: float = 30) -> None:
+    """Until a spare of ``pool`` has done its imports (or ``timeout``: the caller asserts)."""
+    deadline = time.monotonic() + timeout
+    while pool.ready == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_a_spare_is_ready_once_its_imports_are_done_and_its_worker_inherits_no_pipe_of_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    (tmp_path / "slow_import.py").write_text(GATED)
-    gate, report = tmp_path / "gate", tmp_path / "fds.json"
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setenv("IMPORT_GATE", str(gate))
+    gate, report = gated_import(monkeypatch, tmp_path), tmp_path / "fds.json"
     monkeypatch.setenv("REPORT_TO", str(report))
     pool = WarmPool(1, preload=("slow_import",), after_seconds=0)
     try:
@@ -312,9 +325,7 @@ def test_a_spare_is_ready_once_its_imports_are_done_and_its_worker_inherits_no_p
         time.sleep(1.0)  # time enough to start and import anything but the gated module
         assert pool.ready == 0
         gate.touch()
-        deadline = time.monotonic() + 30
-        while pool.ready == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_ready(pool)
         assert pool.ready == 1
         script = tmp_path / "fds.py"
         script.write_text(FDS)
@@ -337,9 +348,7 @@ def test_a_spare_whose_import_fails_is_ready_and_its_worker_reports_the_failure(
     pool = WarmPool(1, preload=("broken_import",), after_seconds=0)
     try:
         pool.tick()
-        deadline = time.monotonic() + 30
-        while pool.ready == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_ready(pool)
         assert pool.ready == 1  # nothing more to wait for: a cold worker would fail the same way
         script = tmp_path / "imports.py"
         script.write_text("import broken_import\n")
@@ -400,9 +409,7 @@ def test_an_idle_spare_is_the_oom_killers_first_choice_and_its_worker_is_not(
     pool = WarmPool(1, preload=("json",), after_seconds=0)
     try:
         pool.tick()
-        deadline = time.monotonic() + 30
-        while pool.ready == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_ready(pool)
         (pid,) = pool.idle
         assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "1000"
         script = tmp_path / "score.py"
@@ -539,10 +546,7 @@ def test_a_large_handover_does_not_wait_for_the_spares_imports(
     # The agent writes the worker's argv and environment to the spare's stdin; beyond the
     # pipe's 64 KiB the write blocked until the spare had imported torch and read it, and a
     # spare stuck in an import hung the agent (review finding 11).
-    (tmp_path / "slow_import.py").write_text(GATED)
-    gate, report = tmp_path / "gate", tmp_path / "report.json"
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setenv("IMPORT_GATE", str(gate))
+    gate, report = gated_import(monkeypatch, tmp_path), tmp_path / "report.json"
     monkeypatch.setenv("REPORT_TO", str(report))
     for i in range(8):  # 256 KiB in all (one variable may not exceed 128 KiB)
         monkeypatch.setenv(f"SERVICE_{i}_PORT", "x" * (32 << 10))
