@@ -8,6 +8,8 @@ session would miss some of it.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 import uuid
 from collections.abc import Iterator
@@ -85,3 +87,45 @@ def test_kill_ends_a_frozen_tree_without_a_thaw(tree: tuple[ContainerProcess, st
     wait_until("the tree gone", lambda: container.reap(now=2.0), timeout=30)
     assert container.exit_code == 137
     wait_until("no process of the tree left", lambda: not tagged_pids(tag), timeout=30)
+
+
+ORPHAN = """
+import subprocess, sys, time
+sleeper = "import time; time.sleep(600)"
+# A grandchild whose parent exits at once: re-parented, it is no longer in the root's tree.
+subprocess.run([sys.executable, "-c",
+                f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {sleeper!r}])"])
+time.sleep(600)
+"""
+
+
+def test_a_container_with_a_cgroup_kills_the_orphans_its_tree_lost(tmp_path: Path) -> None:
+    """The process kubelet reads a container's members from its cgroup (``members``): an
+    orphan whose parent died has left the root's tree, never the cgroup, and dies with it."""
+    from tests.kube.runtime import Cgroups  # noqa: PLC0415
+
+    cgroups = Cgroups.find(f"ddpjob-test-{uuid.uuid4().hex[:8]}")
+    if cgroups is None:
+        pytest.skip("no writable memory cgroup on this machine")
+    group = cgroups.create("orphans", None)
+    assert group is not None
+    tag = uuid.uuid4().hex
+    env = {"PATH": str(Path(sys.executable).parent), TAG_ENV: tag}
+    join = 'echo $$ > "$0" && exec "$@"'
+    members = group / "cgroup.procs"
+    container = spawn(
+        ["/bin/sh", "-c", join, str(members), sys.executable, "-c", ORPHAN],
+        env=env, cwd=tmp_path, log_path=tmp_path / "pod.log", members=members,
+    )  # fmt: skip
+    try:
+        wait_until("the root and the orphan", lambda: len(tagged_pids(tag)) == 2, timeout=60)
+        assert len(container.all_processes()) == 2
+        container.kill()
+        wait_until("the container gone", lambda: container.reap(now=2.0), timeout=30)
+        wait_until("no process of it left", lambda: not tagged_pids(tag), timeout=30)
+    finally:
+        with contextlib.suppress(OSError):
+            for pid in tagged_pids(tag):
+                os.kill(pid, signal.SIGKILL)
+        container.close()
+        cgroups.remove_all()

@@ -10,9 +10,11 @@ that the real node lifecycle and taint eviction controllers handle by themselves
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -139,6 +141,46 @@ def _cgroups_writable() -> bool:
     if found is not None:
         found.remove(found.root)
     return found is not None
+
+
+def _process(cmdline: list[str]) -> psutil.Process | None:
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            found = process.cmdline()
+            if found[1:] == cmdline[1:] and found[:1] and found[0].endswith(cmdline[0]):
+                return process
+    return None
+
+
+def _memory_cgroup(pid: int) -> str:
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return next(line for line in lines if ":memory:" in line or line.startswith("0::"))
+
+
+def test_an_exec_probe_runs_in_the_container_and_ends_with_it(kube: KubeTest) -> None:
+    """A runtime's exec joins the container's cgroup: a probe still running when the pod is
+    deleted (a slow one, or one that outlived a frozen node) is killed with the container,
+    not left on the node."""
+    if not _cgroups_writable():
+        pytest.skip("no writable memory cgroup on this machine: containers have none")
+    marker = ["sleep", "307"]
+    probe = {"exec": {"command": marker}, "periodSeconds": 1, "timeoutSeconds": 600}
+    create(kube, pod("probed", "sleep", "3600", container={"readinessProbe": probe}))
+    running = phase(kube, "probed", "Running")
+    main = wait_for(lambda: _process(["sleep", "3600"]), "the container's process")
+    probing = wait_for(lambda: _process(marker), "the exec probe's process")
+    assert _memory_cgroup(probing.pid) == _memory_cgroup(main.pid)
+    assert running["metadata"]["uid"] in _memory_cgroup(main.pid)
+    kube.api.delete(f"/api/v1/namespaces/{kube.namespace}/pods/probed")
+    wait_for(lambda: get(kube, "probed") is None, "the pod gone", timeout=60)
+
+    def ended() -> bool:
+        try:
+            return probing.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_for(ended, "the probe killed with its container", timeout=10)
 
 
 def test_waiting_reasons_for_what_cannot_start(kube: KubeTest) -> None:

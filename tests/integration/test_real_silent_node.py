@@ -361,6 +361,25 @@ def survivors(processes: list[psutil.Process]) -> list[str]:
     return described
 
 
+def of_pod(pids: Sequence[int], uid: str) -> tuple[list[psutil.Process], list[str]]:
+    """Which of a node's processes belong to pod ``uid`` (the process kubelet puts each of its
+    containers in a memory cgroup named after the pod's uid), and a description of the others.
+
+    A node's PID namespace holds more than one pod's processes: what the kubelet itself runs
+    (a mount, an exec probe), and, in a full run, what earlier tests left on that node."""
+    ours, others = [], []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess, OSError):
+            process = psutil.Process(pid)
+            cgroups = Path(f"/proc/{pid}/cgroup").read_text()
+            if uid in cgroups:
+                ours.append(process)
+            else:
+                memory = [line for line in cgroups.splitlines() if ":memory:" in line]
+                others.append(f"{survivors([process])} in {memory}")
+    return ours, others
+
+
 def test_the_healed_store_host_trains_no_further_step(
     kube: KubeTest, tmp_path: Path, pod_logs: list[PodLogs]
 ) -> None:
@@ -381,7 +400,8 @@ def test_the_healed_store_host_trains_no_further_step(
     # The node comes back: pod 0's processes run again, force-deleted from the API meanwhile.
     with log_path.open("rb") as log:  # kept open: the kubelet removes the file
         log.seek(size)
-        processes = [psutil.Process(pid) for pid in stopped[1:]]
+        processes, others = of_pod(stopped[1:], before[0])
+        assert processes, f"none of {stopped} is in pod 0's cgroup; others: {others}"
         healed_at = time.monotonic()
         kube.heal_node(node, wait=False)
 
@@ -398,11 +418,13 @@ def test_the_healed_store_host_trains_no_further_step(
                 lambda: not alive(), "the old pod 0's processes killed by its node's kubelet", 45
             )
         except AssertionError as exc:  # say which ones, for the next one to look at
-            raise AssertionError(f"{exc}: still running: {survivors(alive())}") from None
+            raise AssertionError(
+                f"{exc}: still running: {survivors(alive())}; the node's others: {others}"
+            ) from None
         killed = time.monotonic() - healed_at
         later = log.read().decode(errors="replace").splitlines()
     print(f"node healed: the old pod 0's {len(processes)} processes killed after {killed:.2f}s; "
-          f"it logged {later}")  # fmt: skip
+          f"it logged {later}; the node's other processes: {others}")  # fmt: skip
     trained = [line for line in later if STEP_RE.search(line) or CKPT_RE.search(line)]
     assert trained == [], f"the fenced pod 0 trained on after the heal: {later}"
     assert not [line for line in later if RESUME_RE.search(line)], later

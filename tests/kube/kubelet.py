@@ -1232,6 +1232,12 @@ class Kubelet:
             argv = [shutil.which("nsenter") or "nsenter", "-t", str(c.proc.pid), "-m", "-u"]
             argv += ["-n", "--"] if pod.netns is not None else ["--"]
             argv += [str(a) for a in (spec["exec"].get("command") or [])]
+            if c.cgroup is not None:
+                # In the container's cgroup, as a runtime's exec is: its memory counts against
+                # the container's, and stopping the container ends a probe still running (one
+                # that outlived a frozen node, say) instead of leaving it on the node.
+                join = 'echo $$ > "$0" && exec "$@"'
+                argv = ["sh", "-c", join, str(c.cgroup / "cgroup.procs"), *argv]
             try:
                 result = subprocess.run(
                     argv, env=c.env, capture_output=True, timeout=timeout, check=False, cwd="/"

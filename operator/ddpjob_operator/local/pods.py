@@ -226,9 +226,9 @@ class ContainerProcess:
 
     This is the process layer that ``ddpjob run`` (one per local pod) and the test suite's
     process kubelet (one per container) share. Stopping follows a container runtime: SIGTERM to
-    the root, SIGKILL to the whole tree once the grace period is over; when the root exits on
-    its own, what is left of its tree is killed at once. The exit code is a runtime's: a death
-    by signal N reads as 128 + N.
+    the root, SIGKILL to the whole tree once the grace period is over; when the root exits (on
+    its own or stopped), what is left of its tree is killed at once, as a PID namespace is. The
+    exit code is a runtime's: a death by signal N reads as 128 + N.
     """
 
     process: subprocess.Popen[bytes]
@@ -337,8 +337,10 @@ class ContainerProcess:
             self.kill()
         if self.exit_code is not None:
             leftovers = self.all_processes()
-            if leftovers and self.stopping_since is None:
-                signal_all(leftovers, signal.SIGKILL)  # the root exited: its tree goes with it
+            if leftovers:
+                # The root exited: its tree goes with it, stopping or not, as a container's
+                # processes do when its PID 1 exits (the kernel kills its PID namespace).
+                signal_all(leftovers, signal.SIGKILL)
             return not leftovers
         return False
 
@@ -372,7 +374,7 @@ def spawn(
         log.close()
         raise
     return ContainerProcess(
-        process=process, log=log, log_path=log_path, started_at=time.monotonic()
+        process=process, log=log, log_path=log_path, started_at=time.monotonic(), members=members
     )
 
 
