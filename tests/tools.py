@@ -335,6 +335,7 @@ def owner_reference_rules() -> set[Rule]:
         builders.build_pod(job, 0),
         builders.build_service(job),
         builders.build_network_policy(job),
+        builders.build_store_key_secret(job, "key"),
     ]
     for obj in built:
         for owner in obj["metadata"].get("ownerReferences") or []:

@@ -56,6 +56,10 @@ POD_FINALIZER = "ddpjob.io/pod-tracking"
 """On every pod ddpjob creates; removed only once the pod's outcome is in the job's status, so
 a pod that is force-deleted or garbage-collected is still counted exactly once (the Job
 controller's ``batch.kubernetes.io/job-tracking``)."""
+STORE_KEY_ENV = "DDPJOB_STORE_KEY"
+"""The trainer's env var holding the job's store key: the agent HMAC-signs what it writes to
+the rendezvous store with it. The operator fills it from the job's store-key Secret
+(``builders.build_store_key_secret``); ``ddpjob run`` with a key of its own per run."""
 
 
 class _Model(pydantic.BaseModel):

@@ -8,6 +8,8 @@ What every pod gets unless the user set it already:
 
 * the env contract (:mod:`ddpjob_worker.contract`), so ``ddpjob-agent`` and plain ``torchrun``
   join the same rendezvous;
+* the job's store key (``DDPJOB_STORE_KEY``) from its own Secret, with which the agents sign
+  what they write to the rendezvous store (see :func:`build_pod` for when it is left out);
 * a memory-backed ``/dev/shm`` sized from the trainer's memory (DataLoader workers crash with
   the 64 MB default);
 * NCCL settings that fail fast instead of hanging;
@@ -23,6 +25,7 @@ What every pod gets unless the user set it already:
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import decimal
 from collections.abc import Mapping
@@ -221,6 +224,40 @@ def build_network_policy(job: api.DDPJob) -> JSON:
     }
 
 
+STORE_KEY_ENTRY = "key"
+"""The one entry of a job's store-key Secret."""
+
+
+def store_key_secret_name(job_name: str) -> str:
+    return f"{job_name}-store-key"
+
+
+def build_store_key_secret(job: api.DDPJob, key: str) -> JSON:
+    """The job's store key, which only the job's pods read (``DDPJOB_STORE_KEY``).
+
+    Their agents HMAC-sign what they write to the c10d TCPStore with it, so that whoever
+    reaches pod 0's store port and knows the run id (the job's uid, in every pod's env) still
+    cannot steer the job. ``key`` is made by the caller (``secrets.token_urlsafe(32)`` where the
+    Secret is created), never here: builders are deterministic. Immutable: the key never
+    changes while the job lives, and the kubelets need not watch it.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(job, store_key_secret_name(job.name), None, {}),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {STORE_KEY_ENTRY: base64.b64encode(key.encode()).decode("ascii")},
+    }
+
+
+def store_key_env(job_name: str) -> JSON:
+    """The trainer's ``DDPJOB_STORE_KEY``, from the job's store-key Secret (not optional: a pod
+    never starts without it)."""
+    ref = {"name": store_key_secret_name(job_name), "key": STORE_KEY_ENTRY}
+    return {"name": api.STORE_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
 def gpus_requested(container: Mapping[str, Any]) -> int:
     resources = container.get("resources") or {}
     for section in ("limits", "requests"):
@@ -281,7 +318,9 @@ def agent_contract(
     )
 
 
-def _env(user_env: list[JSON], job: api.DDPJob, index: int, network: Network) -> list[JSON]:
+def _env(
+    user_env: list[JSON], job: api.DDPJob, index: int, network: Network, store_key: bool
+) -> list[JSON]:
     """User env first and untouched; our defaults only for names the user did not set."""
     taken = {item["name"] for item in user_env}
     ours: list[JSON] = [
@@ -289,6 +328,8 @@ def _env(user_env: list[JSON], job: api.DDPJob, index: int, network: Network) ->
         {"name": contract.PET_LOCAL_ADDR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
+    if store_key:
+        ours.append(store_key_env(job.name))
     ours += [{"name": k, "value": v} for k, v in agent_env_for(job, index, network).items()]
     ours += [{"name": k, "value": v} for k, v in NCCL_DEFAULTS.items()]
     return user_env + [item for item in ours if item["name"] not in taken]
@@ -298,9 +339,11 @@ def agent_env_for(job: api.DDPJob, index: int, network: Network = CLUSTER) -> di
     return contract.agent_env(agent_contract(job, index, network))
 
 
-def _trainer(container: JSON, job: api.DDPJob, index: int, network: Network) -> JSON:
+def _trainer(
+    container: JSON, job: api.DDPJob, index: int, network: Network, store_key: bool
+) -> JSON:
     out = dict(container)
-    out["env"] = _env(list(container.get("env") or []), job, index, network)
+    out["env"] = _env(list(container.get("env") or []), job, index, network, store_key)
     mounts = list(container.get("volumeMounts") or [])
     mounted = {m.get("mountPath") for m in mounts}
     if "/dev/shm" not in mounted:
@@ -422,12 +465,21 @@ def build_pod(
     index: int,
     network: Network = CLUSTER,
     default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
+    store_key: bool = True,
 ) -> JSON:
-    """Pod ``index`` of the job, complete. Pod 0 hosts the c10d store."""
+    """Pod ``index`` of the job, complete. Pod 0 hosts the c10d store.
+
+    ``store_key``: the trainer gets ``DDPJOB_STORE_KEY`` from the job's store-key Secret
+    (:func:`store_key_env`). The reconciler leaves it out while pods of the job built without
+    it may still run (made by an operator before the key): signed and unsigned agents cannot
+    form one group. A ``DDPJOB_STORE_KEY`` the template sets itself is kept either way, as is
+    every env var the user sets.
+    """
     template = job.spec.template
     spec: JSON = template.spec.model_dump(by_alias=True, exclude_none=True)
     containers = spec["containers"]
-    spec["containers"] = [_trainer(containers[0], job, index, network), *containers[1:]]
+    trainer = _trainer(containers[0], job, index, network, store_key)
+    spec["containers"] = [trainer, *containers[1:]]
     volumes = list(spec.get("volumes") or [])
     names = {v.get("name") for v in volumes}
     if SHM_VOLUME not in names:

@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -151,6 +152,7 @@ class Controller:
         self._phases: dict[Key, api.JobPhase] = {}
         self._in_flight: dict[Key, float] = {}
         self._policies: set[Key] = set()
+        self._store_keys: set[Key] = set()
         self._expected: dict[Key, Expectations] = {}
         self._ignored: dict[Key, list[str]] = {}
 
@@ -200,6 +202,7 @@ class Controller:
             self._written.pop(key, None)
             self._phases.pop(key, None)
             self._policies.discard(key)
+            self._store_keys.discard(key)
             self._expected.pop(key, None)
             self._ignored.pop(key, None)
             self.metrics.set_phases(self._phases)
@@ -285,7 +288,13 @@ class Controller:
         self.metrics.set_phases(self._phases)
         try:
             await self._execute(
-                key, job, decision.actions, records, expected, self._network_policy(key, job)
+                key,
+                job,
+                decision.actions,
+                records,
+                expected,
+                self._network_policy(key, job),
+                self._store_key_secret(key, job),
             )
         except ActionsFailedError as exc:
             # The API refused something (say, a pod the CRD schema let through but the API
@@ -377,6 +386,16 @@ class Controller:
             return None
         return builders.build_network_policy(job)
 
+    def _store_key_secret(self, key: Key, job: api.DDPJob) -> JSON | None:
+        """The job's store-key Secret with a new random key, unless this operator has made (or
+        found) it already. After a restart it is posted again: the 409 for the job's own Secret
+        is success, and the key in it stays the one its pods read."""
+        if key in self._store_keys or job.status.phase.is_finished:
+            return None
+        if job.metadata.deletion_timestamp is not None:
+            return None
+        return builders.build_store_key_secret(job, secrets.token_urlsafe(32))
+
     async def _execute(
         self,
         key: Key,
@@ -385,13 +404,16 @@ class Controller:
         records: Mapping[str, PodRecord],
         expected: Expectations,
         policy: JSON | None = None,
+        secret: JSON | None = None,
     ) -> None:
-        """The Service and the NetworkPolicy first; then deletes and finalizer removals; then
-        creations; then the job.
+        """The Service, the NetworkPolicy and the store-key Secret first; then deletes and
+        finalizer removals; then creations; then the job.
 
-        Deletes and finalizer removals run even when the Service or the NetworkPolicy could not
-        be made (they only let go of pods). Pods are created only when everything before
-        succeeded: a pod must never start without its DNS name or the policy the job asked for.
+        Deletes and finalizer removals run even when the Service, the NetworkPolicy or the
+        Secret could not be made (they only let go of pods). Pods are created only when
+        everything before succeeded: a pod must never start without its DNS name, the policy
+        the job asked for, or the Secret its env reads (it would wait in
+        CreateContainerConfigError).
         """
         namespace = key[0]
         job_uid = job.metadata.uid or ""
@@ -420,6 +442,10 @@ class Controller:
                     self.kube.create_network_policy(namespace, policy),
                     lambda: self._policies.add(key),
                 )
+            )
+        if secret is not None:
+            groups[0].append(
+                (self.kube.create_secret(namespace, secret), lambda: self._store_keys.add(key))
             )
         for action in actions:
             if isinstance(action, CreateService):

@@ -290,6 +290,23 @@ class KubeApi:
                 "until the policy exists",
             ) from exc
 
+    async def create_secret(self, namespace: str, secret: JSON) -> None:
+        """The job's store-key Secret. Its data never reaches a log or an error message."""
+        try:
+            await self.create(f"/api/v1/namespaces/{namespace}/secrets", secret)
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            name = secret["metadata"]["name"]
+            raise ApiError(
+                403,
+                exc.reason,
+                f"cannot create Secret {namespace}/{name}, the job's rendezvous store key: {exc}; "
+                "grant the operator create and get on secrets (core) in this namespace (the Helm "
+                "chart does, with rbac.create: true; with rbac.create: false add them to your "
+                "own Role). The job's pods are not created until the Secret exists",
+            ) from exc
+
     async def delete_pod(self, namespace: str, name: str, uid: str, force: bool = False) -> None:
         options: JSON = {"preconditions": {"uid": uid}}
         if force:

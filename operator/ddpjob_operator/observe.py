@@ -142,6 +142,9 @@ class ObservedPod:
     store_host: bool = False
     """Its agent says it hosts the job's rendezvous store (generation ``store_gen``)."""
     store_gen: int = 0
+    store_keyed: bool | None = None
+    """Its trainer's env sets ``DDPJOB_STORE_KEY`` (its agent signs what it writes to the
+    rendezvous store); ``None`` when unknown (a pod expected but not seen yet, a local pod)."""
 
     def ran_for(self, now: dt.datetime) -> float:
         """Seconds the trainer has run (0 when unknown): to its end, by the kubelet's clock
@@ -364,6 +367,10 @@ def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
         owner_uid=str(controller.get("uid") or "") if controller is not None else "",
         started=_started(trainer),
         started_at=_started_at(trainer),
+        store_keyed=any(
+            isinstance(e, Mapping) and e.get("name") == api.STORE_KEY_ENV
+            for e in containers[0].get("env") or []
+        ),
     )
 
 

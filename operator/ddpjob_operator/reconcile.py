@@ -889,6 +889,7 @@ def _run_actions(
         for p in sorted(buckets.surplus, key=lambda p: -p.index)
     ]
     held = {p.index: p for p in foreign}
+    keyed = store_keyed(pods)
     for i in range(desired_replicas(job.spec)):
         if i in present:
             continue
@@ -900,8 +901,22 @@ def _run_actions(
             plan.due = _sooner(plan.due, (backoff.retry_time - now).total_seconds())
             plan.waiting.append(backoff)
             continue
-        plan.actions.append(CreatePod(i, builders.build_pod(job, i, network, default_profile)))
+        pod = builders.build_pod(job, i, network, default_profile, store_key=keyed)
+        plan.actions.append(CreatePod(i, pod))
     return plan
+
+
+def store_keyed(pods: Iterable[ObservedPod]) -> bool:
+    """New pods get the job's store key (``DDPJOB_STORE_KEY``) unless a pod of the job built
+    without it may still run (not terminated; one being deleted may still train).
+
+    Agents that sign what they write to the rendezvous store and agents that do not cannot form
+    one group, so a job whose pods an operator made before the key keeps getting pods without
+    it until none of those is left (the job is suspended, or all its pods end at once); a job with
+    no pods, or only keyed ones, gets keyed pods. If both kinds run (which this rule never
+    makes), the unkeyed ones win: they are the ones that trained before the upgrade.
+    """
+    return not any(p.store_keyed is False and not p.phase.terminated for p in pods)
 
 
 def _held(pod: ObservedPod) -> PodWaiting:

@@ -11,7 +11,9 @@ jobs of its own names, and injects faults only on paths of its own. The test pla
 * 12: a Service of the job's name that is not the job's is reported, never used;
 * 14: a pod created after the release list of a job being deleted in the foreground is
   released too, so the deletion completes;
-* 17: no copy of the spec in the job's annotations (kopf's diff-base).
+* 17: no copy of the spec in the job's annotations (kopf's diff-base);
+* agent review, finding 8: the job's store-key Secret comes before its pods: one the operator may
+  not create, or one of that name that is not the job's, is reported, and no pod starts.
 """
 
 from __future__ import annotations
@@ -287,6 +289,57 @@ def test_a_service_of_the_jobs_name_that_is_not_its_own_is_reported(world: World
     )
     assert service["metadata"]["ownerReferences"][0]["name"] == "delta"
     wait_for(lambda: len(world.pods("delta")) == 2, "delta's pods", timeout=30)
+
+
+# ---- agent review, finding 8 -------------------------------------------------------------------
+
+
+def test_a_store_key_secret_it_may_not_create_is_reported_and_no_pod_starts(world: World) -> None:
+    world.control.add_fault(
+        "POST",
+        r"/secrets$",
+        403,
+        count=3,
+        message='secrets is forbidden: User "system:serviceaccount:ddpjob-system:ddpjob" '
+        'cannot create resource "secrets"',
+    )
+    world.create_job("theta")
+    [message, *_] = wait_for(lambda: world.events("theta", "ActionFailed"), "an ActionFailed event")
+    assert "cannot create Secret default/theta-store-key" in message
+    assert "grant the operator create and get on secrets" in message and "rbac.create" in message
+    assert world.pods("theta") == []  # their env reads the Secret: they could not start
+    secret = wait_for(
+        lambda: world.control.get_object("v1/secrets", "default", "theta-store-key"),
+        "the Secret once the operator may create it",
+        timeout=30,
+    )
+    assert secret["metadata"]["ownerReferences"][0]["name"] == "theta"
+    wait_for(lambda: len(world.pods("theta")) == 2, "the pods after the Secret", timeout=30)
+
+
+def test_a_store_key_secret_that_is_not_the_jobs_is_reported(world: World) -> None:
+    mine = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "eta-store-key", "namespace": "default"},
+        "data": {"key": "bWluZQ=="},
+    }
+    assert world.api("POST", "/api/v1/namespaces/default/secrets", mine).status_code == 201
+    world.create_job("eta")
+    [message, *_] = wait_for(lambda: world.events("eta", "ActionFailed"), "an ActionFailed event")
+    assert "Secret default/eta-store-key exists and is not DDPJob default/eta's" in message
+    assert "delete or rename that Secret, or give the job another name" in message
+    assert world.pods("eta") == []  # never a pod reading someone else's key
+    response = world.api("DELETE", "/api/v1/namespaces/default/secrets/eta-store-key")
+    assert response.status_code == 200
+    secret = wait_for(
+        lambda: world.control.get_object("v1/secrets", "default", "eta-store-key"),
+        "the job's own Secret",
+        timeout=40,
+    )
+    assert secret["metadata"]["ownerReferences"][0]["name"] == "eta"
+    assert secret["data"]["key"] != "bWluZQ=="
+    wait_for(lambda: len(world.pods("eta")) == 2, "eta's pods", timeout=30)
 
 
 # ---- point 14 ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ control plane's own faults (node loss, the operator SIGKILLed mid-scale) are in
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import time
@@ -24,6 +25,8 @@ from typing import Any
 
 import pytest
 import requests
+
+from tests.harness import processes_with_env
 
 from .operator_env import EmulatorEnv, OperatorEnv, operator_env, real_env, wait_for
 
@@ -108,6 +111,9 @@ def test_create_makes_the_service_and_every_pod_with_the_env(env: OperatorEnv) -
         assert pod["spec"]["subdomain"] == "alpha"
         variables = env_of(pod)
         assert variables["PET_RDZV_ENDPOINT"] == f"alpha-worker-0.alpha.{env.namespace}.svc:29400"
+        assert variables["DDPJOB_STORE_KEY"] == {
+            "secretKeyRef": {"name": "alpha-store-key", "key": "key"}
+        }
         assert variables["PET_NNODES"] == "1:4"
         assert variables["DDPJOB_RDZV_HOST"] == ("1" if index == 0 else "0")
     status = wait_for(lambda: env.status("alpha").get("selector") and env.status("alpha"), "status")
@@ -126,6 +132,19 @@ def test_create_makes_the_service_and_every_pod_with_the_env(env: OperatorEnv) -
     )
     assert running["phase"] == "Running"
     assert env.events(reason="CreatedPods")
+    # The store key: the job's own Secret, made before its pods, which read it (on the real
+    # backend the process kubelet put it into every trainer's environment).
+    secret = env.get_object("v1/secrets", env.namespace, "alpha-store-key")
+    assert secret is not None
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert (secret["type"], secret["immutable"], list(secret["data"])) == ("Opaque", True, ["key"])
+    key = base64.b64decode(secret["data"]["key"]).decode()
+    assert len(key) == 43
+    if env.backend == "real":
+        keyed = {pid for pid, _ in processes_with_env("DDPJOB_STORE_KEY", key)}
+        for pod in env.pods("alpha"):
+            trainer = {pid for pid, _ in processes_with_env("POD_UID", pod["metadata"]["uid"])}
+            assert trainer and trainer <= keyed, pod["metadata"]["name"]
 
 
 def test_a_failed_pod_is_replaced_and_counted_once(env: OperatorEnv) -> None:
@@ -292,6 +311,10 @@ def test_sigkill_mid_reconcile_then_restart_makes_no_duplicates_and_exact_counts
     assert reasons == ["ExitCode(1)", "OOMKilled"]
     creates = env.control.count_requests("create", "pods", status=201)
     assert creates == 3 + 2  # the first three, then one replacement per failed pod
+    # The store-key Secret was made once; the restarted operator posted it again and took the
+    # 409 for the job's own Secret as success (its replacements read the same key).
+    assert env.control.count_requests("create", "secrets", status=201) == 1
+    assert env.control.count_requests("create", "secrets", status=409) == 1
 
 
 def test_injected_500s_409s_and_watch_drops_converge(emulated: EmulatorEnv) -> None:
@@ -556,6 +579,7 @@ def test_the_chart_grants_every_request_of_a_recorded_run(tmp_path: Path) -> Non
     # The run exercised what the chart grants for these options.
     assert ("", "pods", "create") in used and ("ddpjob.io", "ddpjobs/status", "patch") in used
     assert ("networking.k8s.io", "networkpolicies", "create") in used
+    assert ("", "secrets", "create") in used
     assert ("kopf.dev", "kopfpeerings", "patch") in used
 
 

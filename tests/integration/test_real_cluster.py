@@ -250,7 +250,7 @@ def test_the_charts_rbac_is_all_the_operator_needs(real: RealEnv) -> None:
     assert denied == []
 
 
-def test_deleting_the_job_leaves_no_pod_service_or_network_policy(real: RealEnv) -> None:
+def test_deleting_the_job_leaves_no_pod_service_secret_or_network_policy(real: RealEnv) -> None:
     real.start_operator()
     real.create_job("gone", networkPolicy=True)
     real.run_pods("gone")
@@ -261,12 +261,14 @@ def test_deleting_the_job_leaves_no_pod_service_or_network_policy(real: RealEnv)
         "the NetworkPolicy",
     )
     assert real.get_object("v1/services", real.namespace, "gone") is not None
+    assert real.get_object("v1/secrets", real.namespace, "gone-store-key") is not None
     assert real.delete_job("gone") == 200
 
     def everything_gone() -> bool:
         return (
             real.pods("gone") == []
             and real.get_object("v1/services", real.namespace, "gone") is None
+            and real.get_object("v1/secrets", real.namespace, "gone-store-key") is None
             and real.get_object(
                 "networking.k8s.io/v1/networkpolicies", real.namespace, "gone-ddpjob"
             )
@@ -274,7 +276,7 @@ def test_deleting_the_job_leaves_no_pod_service_or_network_policy(real: RealEnv)
             and real.job("gone") is None
         )
 
-    wait_for(everything_gone, "the garbage collector to remove pods, Service, NetworkPolicy", 60)
+    wait_for(everything_gone, "the GC to remove pods, Service, Secret, NetworkPolicy", 60)
 
 
 KILL_JUMPS = (24, 64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -132,6 +133,74 @@ def test_user_env_wins_and_is_not_duplicated() -> None:
     assert env_of(pod)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
 
 
+# ---- the store key (agent review, finding 8) ---------------------------------------------------
+
+STORE_KEY_FROM_SECRET = {
+    "name": "DDPJOB_STORE_KEY",
+    "valueFrom": {"secretKeyRef": {"name": "demo-store-key", "key": "key"}},
+}
+
+
+def test_the_store_key_secret_is_opaque_owned_and_holds_only_the_key() -> None:
+    key = "k3y-_0123456789abcdefghijklmnopqrstuvwxyzABCD"
+    assert builders.store_key_secret_name("demo") == "demo-store-key"
+    assert builders.build_store_key_secret(job(), key) == {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": "demo-store-key",
+            "namespace": "ml",
+            "labels": {
+                "app.kubernetes.io/name": "ddpjob",
+                "app.kubernetes.io/instance": "demo",
+                "app.kubernetes.io/managed-by": "ddpjob-operator",
+                "ddpjob.io/job-name": "demo",
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": "ddpjob.io/v1alpha1",
+                    "kind": "DDPJob",
+                    "name": "demo",
+                    "uid": "uid-demo",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "type": "Opaque",
+        "immutable": True,
+        "data": {"key": base64.b64encode(key.encode()).decode()},
+    }
+
+
+def test_every_pod_reads_the_store_key_from_the_jobs_secret() -> None:
+    for index in (0, 1):
+        env = builders.build_pod(job(), index)["spec"]["containers"][0]["env"]
+        assert [e for e in env if e["name"] == "DDPJOB_STORE_KEY"] == [STORE_KEY_FROM_SECRET]
+    # Only the trainer runs the agent: a sidecar gets no key.
+    sidecar = {"name": "proxy", "image": "y"}
+    containers = [{"name": "trainer", "image": "x"}, sidecar]
+    pod = builders.build_pod(job(template={"spec": {"containers": containers}}), 0)
+    assert pod["spec"]["containers"][1] == sidecar
+
+
+def test_a_store_key_the_template_sets_is_kept() -> None:
+    mine = {"name": "DDPJOB_STORE_KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+    container = {"name": "trainer", "image": "x", "env": [mine]}
+    template = {"spec": {"containers": [container]}}
+    for store_key in (True, False):
+        pod = builders.build_pod(job(template=template), 0, store_key=store_key)
+        env = pod["spec"]["containers"][0]["env"]
+        assert [e for e in env if e["name"] == "DDPJOB_STORE_KEY"] == [mine]
+
+
+def test_a_pod_built_without_the_store_key_is_otherwise_the_same() -> None:
+    keyed, plain = builders.build_pod(job(), 1), builders.build_pod(job(), 1, store_key=False)
+    assert "DDPJOB_STORE_KEY" not in env_of(plain)
+    keyed["spec"]["containers"][0]["env"].remove(STORE_KEY_FROM_SECRET)
+    assert keyed == plain
+
+
 @pytest.mark.parametrize(
     ("resources", "shm_size"),
     [
@@ -221,6 +290,8 @@ def test_built_objects_pass_strict_kubernetes_validation(version: str) -> None:
     restricted = job(template=template, securityProfile="Restricted")
     kubernetes_validate.validate(builders.build_pod(restricted, 0), version, strict=True)
     kubernetes_validate.validate(builders.build_network_policy(job()), version, strict=True)
+    secret = builders.build_store_key_secret(job(), "k3y")
+    kubernetes_validate.validate(secret, version, strict=True)
 
 
 # ---- issue 14: what a real cluster needs of a pod ------------------------------------------------

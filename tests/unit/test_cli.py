@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -146,6 +148,51 @@ def test_run_help_names_the_chaos_kinds() -> None:
     for words in ("kill: SIGKILL", "freeze: SIGSTOP", "mixed: kill or freeze", "partition is"):
         assert words in text, words
     assert "--chaos-faults N, --chaos-kills N" in text
+
+
+# ---- ddpjob run's store key ---------------------------------------------------------------------
+
+
+def _print_key_job(tmp_path: Path, env: list[dict[str, Any]] | None = None) -> Path:
+    trainer: dict[str, object] = {
+        "name": "trainer",
+        "image": "unused-locally",
+        "command": ["sh", "-c", 'echo "key=$DDPJOB_STORE_KEY"'],
+    }
+    if env is not None:
+        trainer["env"] = env
+    document = manifest(template={"spec": {"containers": [trainer]}})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_run_gives_every_pod_one_store_key_per_run(tmp_path: Path) -> None:
+    """The pods' DDPJOB_STORE_KEY (a secretKeyRef to the job's store-key Secret, as on a
+    cluster) is one new key per run, the same in every pod of it."""
+    path = _print_key_job(tmp_path)
+    keys = []
+    for run in ("one", "two"):
+        result = ddpjob("run", str(path), "--plain", "--run-dir", str(tmp_path / run))
+        assert result.returncode == 0, result.stdout + result.stderr
+        logs = sorted((tmp_path / run / "logs").glob("*.log"))
+        assert [p.name for p in logs] == ["demo-worker-0.0.log", "demo-worker-1.0.log"]
+        [key] = {p.read_text().strip() for p in logs}
+        assert re.fullmatch(r"key=[A-Za-z0-9_-]{43}", key), key
+        assert key.removeprefix("key=") not in result.stdout + result.stderr  # never shown
+        keys.append(key)
+    assert keys[0] != keys[1]
+
+
+def test_run_resolves_no_other_secret(tmp_path: Path) -> None:
+    other = {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "demo-store-key", "key": "x"}}}
+    result = ddpjob("run", str(_print_key_job(tmp_path, [other])), "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 2, result
+    assert result.stderr.strip() == (
+        "error: spec.template.spec.containers[0].env[0] (TOKEN): the local runner cannot "
+        "resolve secretKeyRef {'key': 'x', 'name': 'demo-store-key'}; give it a plain value "
+        "for local runs"
+    )
 
 
 def test_crd_prints_the_checked_in_crd() -> None:

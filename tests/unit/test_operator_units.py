@@ -1,13 +1,29 @@
-"""Operator pieces that need no API server: liveness, records, the NetworkPolicy builder."""
+"""Operator pieces that need no API server: liveness, records, the NetworkPolicy builder, the
+store-key Secret's place in a pass."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import logging
+import re
+from typing import Any
+
+import pytest
+
 from ddpjob_operator import api, builders
-from ddpjob_operator.controller import STUCK_PASS_SECONDS, Controller, OperatorConfig, pod_record
-from ddpjob_operator.kube import Credentials, KubeApi
+from ddpjob_operator.controller import (
+    MAX_FAILED_ACTION_EVENTS,
+    STUCK_PASS_SECONDS,
+    ActionsFailedError,
+    Controller,
+    OperatorConfig,
+    pod_record,
+)
+from ddpjob_operator.kube import ApiError, Credentials, KubeApi, OwnershipError
 from ddpjob_operator.metrics import Metrics
 
-from .jobs import job
+from .jobs import job, manifest
 
 
 def controller() -> Controller:
@@ -69,22 +85,15 @@ def test_network_policy_never_opens_the_rendezvous_port() -> None:
 def test_refused_actions_emit_a_bounded_number_of_events() -> None:
     """A large job whose every pod the API server refuses: ten events and one for the rest,
     not one per pod on every retry (issue 14 point 17)."""
-    import asyncio  # noqa: PLC0415
-    import logging  # noqa: PLC0415
-    from typing import Any  # noqa: PLC0415
-
-    import pytest  # noqa: PLC0415
-
-    from ddpjob_operator.controller import MAX_FAILED_ACTION_EVENTS, ActionsFailedError  # noqa: PLC0415
-    from ddpjob_operator.kube import ApiError  # noqa: PLC0415
-
-    from .jobs import manifest  # noqa: PLC0415
 
     class RefusingKube:
         async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
             return {**body, "status": status}
 
         async def create_service(self, ns: str, service: Any) -> None:
+            return None
+
+        async def create_secret(self, ns: str, secret: Any) -> None:
             return None
 
         async def create_pod(self, ns: str, pod: Any) -> None:
@@ -110,3 +119,125 @@ def test_refused_actions_emit_a_bounded_number_of_events() -> None:
     refused = [e for e in events if e[1] == "ActionFailed"]
     assert len(refused) == MAX_FAILED_ACTION_EVENTS + 1
     assert refused[-1][2] == "and 20 more refused actions (see the log)"
+
+
+# ---- the store-key Secret (agent review, finding 8) ---------------------------------------------
+
+
+class RecordingKube:
+    """Records the calls of a pass; ``refuse_secret`` is raised by every Secret creation."""
+
+    def __init__(self, body: dict[str, Any], refuse_secret: Exception | None = None) -> None:
+        self.body = body
+        self.refuse_secret = refuse_secret
+        self.calls: list[tuple[str, str]] = []
+        self.secrets: list[dict[str, Any]] = []
+
+    async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
+        return {**self.body, "status": status}
+
+    async def create_service(self, ns: str, service: Any) -> None:
+        self.calls.append(("service", service["metadata"]["name"]))
+
+    async def create_secret(self, ns: str, secret: Any) -> None:
+        await asyncio.sleep(0.01)  # pods must still wait for it
+        self.calls.append(("secret", secret["metadata"]["name"]))
+        if self.refuse_secret is not None:
+            raise self.refuse_secret
+        self.secrets.append(secret)
+
+    async def create_pod(self, ns: str, pod: Any) -> None:
+        self.calls.append(("pod", pod["metadata"]["name"]))
+
+
+def one_pass(ctl: Controller, body: dict[str, Any], events: list[Any] | None = None) -> None:
+    asyncio.run(
+        ctl.run_pass(
+            (body["metadata"]["namespace"], body["metadata"]["name"]),
+            body,
+            logging.getLogger("test"),
+            pods=list,
+            service=lambda: False,
+            emit=lambda *event: (events if events is not None else []).append(event),
+        )
+    )
+
+
+def test_the_store_key_secret_is_made_once_and_before_any_pod(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    body = manifest()
+    body["metadata"]["resourceVersion"] = "1"
+    kube = RecordingKube(body)
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    one_pass(ctl, body)
+    assert kube.calls == [
+        ("service", "demo"),
+        ("secret", "demo-store-key"),
+        ("pod", "demo-worker-0"),
+        ("pod", "demo-worker-1"),
+    ]
+    [secret] = kube.secrets
+    key = base64.b64decode(secret["data"]["key"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9_-]{43}", key)  # secrets.token_urlsafe(32)
+    assert secret == builders.build_store_key_secret(job(), key)
+    assert key not in caplog.text
+    # Made once: the next passes post it no more (an operator restart posts it again, and the
+    # API's 409 for the job's own Secret is success: KubeApi.create).
+    kube.calls.clear()
+    one_pass(ctl, body)
+    assert ("secret", "demo-store-key") not in kube.calls
+    # Another job gets another key.
+    other = manifest()
+    other["metadata"].update(name="other", uid="uid-other", resourceVersion="1")
+    one_pass(ctl, other)
+    assert base64.b64decode(kube.secrets[1]["data"]["key"]).decode() != key
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        ApiError(403, "Forbidden", 'cannot create resource "secrets"'),
+        OwnershipError(409, "AlreadyExists", "Secret ml/demo-store-key exists and is not ..."),
+    ],
+    ids=["forbidden", "not-the-jobs"],
+)
+def test_no_pod_is_created_without_the_store_key_secret(refusal: Exception) -> None:
+    body = manifest()
+    body["metadata"]["resourceVersion"] = "1"
+    kube = RecordingKube(body, refuse_secret=refusal)
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    events: list[Any] = []
+    with pytest.raises(ActionsFailedError):
+        one_pass(ctl, body, events)
+    assert kube.calls == [("service", "demo"), ("secret", "demo-store-key")]
+    assert [e[1] for e in events] == ["ActionFailed"]
+    # Tried again on the next pass (with the error backoff of run_job), pods once it exists.
+    kube.refuse_secret = None
+    kube.calls.clear()
+    one_pass(ctl, body)
+    assert [c[0] for c in kube.calls] == ["service", "secret", "pod", "pod"]
+
+
+def test_a_secret_the_operator_may_not_create_names_the_verbs_and_the_chart_value() -> None:
+    class Forbidden(KubeApi):
+        async def request(self, method: str, path: str, body: object = None, **_: Any) -> Any:
+            raise ApiError(403, "Forbidden", 'secrets is forbidden: cannot create "secrets"')
+
+    kube = Forbidden(
+        Credentials(server="http://127.0.0.1:9", token=lambda: None, ssl_context=False)
+    )
+    secret = builders.build_store_key_secret(job(), "k3y")
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(kube.create_secret("ml", secret))
+    message = str(caught.value)
+    assert caught.value.status == 403
+    assert message.startswith(
+        "403 Forbidden: cannot create Secret ml/demo-store-key, the job's rendezvous store key: "
+        '403 Forbidden: secrets is forbidden: cannot create "secrets"; grant the operator '
+        "create and get on secrets (core) in this namespace (the Helm chart does, with "
+        "rbac.create: true;"
+    )
+    assert "pods are not created until the Secret exists" in message
+    assert "k3y" not in message and "azN5" not in message  # neither the key nor its base64

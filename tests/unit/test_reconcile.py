@@ -11,8 +11,9 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from ddpjob_operator import api
-from ddpjob_operator.observe import ObservedPod, PodPhase
+from ddpjob_operator import api, builders
+from ddpjob_operator.api import STORE_KEY_ENV
+from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 from ddpjob_operator.reconcile import (
     STRANDED_AFTER_SECONDS,
     CreatePod,
@@ -23,6 +24,7 @@ from ddpjob_operator.reconcile import (
     Observed,
     RemoveFinalizer,
     reconcile,
+    store_keyed,
 )
 
 from .jobs import manifest
@@ -350,6 +352,83 @@ def test_condition_transition_time_moves_only_on_change() -> None:
     later = run(make_job(status=first.status), pod(0), pod(1), now=T0 + dt.timedelta(minutes=5))
     running = next(c for c in later.status.conditions if c.type == "Running")
     assert running.status == "True" and running.last_transition_time == T0
+
+
+# ---- the store key across an operator upgrade ----------------------------------------------------
+
+STORE_KEY_FROM_SECRET = {
+    "name": "DDPJOB_STORE_KEY",
+    "valueFrom": {"secretKeyRef": {"name": "demo-store-key", "key": "key"}},
+}
+
+
+def created_env(decision: Decision) -> dict[int, list[dict[str, Any]]]:
+    """The store-key entries of each created pod's trainer env, by index."""
+    return {
+        a.index: [e for e in a.pod["spec"]["containers"][0]["env"] if e["name"] == STORE_KEY_ENV]
+        for a in decision.actions
+        if isinstance(a, CreatePod)
+    }
+
+
+def test_a_new_job_gets_pods_that_read_the_store_key() -> None:
+    job = make_job()
+    decision = run(job, service=False)
+    assert decision.actions == (
+        CreateService(builders.build_service(job)),
+        CreatePod(0, builders.build_pod(job, 0, store_key=True)),
+        CreatePod(1, builders.build_pod(job, 1, store_key=True)),
+    )
+    assert created_env(decision) == {0: [STORE_KEY_FROM_SECRET], 1: [STORE_KEY_FROM_SECRET]}
+
+
+def test_a_job_whose_running_pods_lack_the_key_keeps_building_pods_without_it() -> None:
+    """Pods an older operator made (no DDPJOB_STORE_KEY): their agents write unsigned, and a
+    keyed newcomer could not join them, so the replacement is built unkeyed too."""
+    job = make_job(status=running_status(), replicas=3)
+    decision = run(job, pod(0, store_keyed=False), pod(1, store_keyed=False))
+    assert decision.actions == (CreatePod(2, builders.build_pod(job, 2, store_key=False)),)
+    assert created_env(decision) == {2: []}
+    # One unkeyed pod still running is enough (a mix never comes from this rule, but if one
+    # existed, the pods that trained before the upgrade win).
+    mixed = run(job, pod(0, store_keyed=False), pod(1, store_keyed=True))
+    assert created_env(mixed) == {2: []}
+    # So is one being deleted that may still train.
+    leaving = run(job, pod(0, store_keyed=True), pod(1, store_keyed=False, deleting=True))
+    assert created_env(leaving) == {2: []}
+
+
+def test_a_job_whose_pods_have_the_key_or_ended_builds_keyed_pods() -> None:
+    job = make_job(status=running_status(), replicas=3)
+    keyed = run(job, pod(0, store_keyed=True), pod(1, store_keyed=True))
+    assert keyed.actions == (CreatePod(2, builders.build_pod(job, 2)),)
+    assert created_env(keyed) == {2: [STORE_KEY_FROM_SECRET]}
+    # Pods not seen yet (the operator's own expectations) and an unkeyed pod that has ended
+    # (Succeeded or Failed) do not hold the job back.
+    ended = run(
+        job,
+        pod(0, PodPhase.PENDING, store_keyed=None),
+        pod(1, store_keyed=True),
+        failed(3, store_keyed=False),  # scaled away before it failed
+    )
+    assert created_env(ended) == {2: [STORE_KEY_FROM_SECRET]}
+    assert store_keyed([]) is True
+
+
+def test_observe_reads_whether_a_pod_was_built_with_the_key() -> None:
+    job = make_job()
+    for built, expected in (
+        (builders.build_pod(job, 0), True),
+        (builders.build_pod(job, 0, store_key=False), False),
+    ):
+        built["metadata"]["uid"] = "u0"
+        observed = observe_pod(built)
+        assert observed is not None and observed.store_keyed is expected
+    # The user's own DDPJOB_STORE_KEY counts: the agent reads it either way.
+    mine = {"name": "trainer", "image": "x", "env": [{"name": STORE_KEY_ENV, "value": "s"}]}
+    theirs = make_job(template={"spec": {"containers": [mine]}})
+    observed = observe_pod(builders.build_pod(theirs, 0, store_key=False))
+    assert observed is not None and observed.store_keyed is True
 
 
 # ---- properties --------------------------------------------------------------------------------

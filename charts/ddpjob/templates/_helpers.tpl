@@ -82,10 +82,10 @@ namespace and CRD scanning is disabled (settings.scanning.disabled), and API dis
 - apiGroups: ["ddpjob.io"]
   resources: ["ddpjobs/status"]
   verbs: ["patch"]
-# DDPJob finalizers: the owner references of the pods, Services and NetworkPolicies set
-# blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin (OpenShift,
-# hardened clusters) allows only to who may update the owner's finalizers. (Creating an object
-# with owner references needs no more: the plugin asks for delete only on updates.)
+# DDPJob finalizers: the owner references of the pods, Services, Secrets and NetworkPolicies
+# set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin
+# (OpenShift, hardened clusters) allows only to who may update the owner's finalizers. (Creating
+# an object with owner references needs no more: the plugin asks for delete only on updates.)
 - apiGroups: ["ddpjob.io"]
   resources: ["ddpjobs/finalizers"]
   verbs: ["update"]
@@ -100,6 +100,12 @@ namespace and CRD scanning is disabled (settings.scanning.disabled), and API dis
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create"]
+# Secrets: each job's store key (<job>-store-key), which its pods' agents sign the rendezvous
+# store's contents with; the operator creates it before the job's pods, and reads one that
+# already exists to check it is the job's (get). It never lists, watches or updates Secrets.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
 # Events: the operator's Events on jobs (kopf.event) and kopf's own warnings (core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]

@@ -93,6 +93,10 @@ EnvSource = Callable[[str, Mapping[str, Any]], "str | Mapping[str, str] | None"]
 ``resourceFieldRef``: a string, or None for an optional one that is absent) or an ``envFrom``
 key (``configMapRef``, ``secretRef``: a mapping). Raises :class:`LocalPodError` when it cannot."""
 
+SecretValues = Mapping[tuple[str, str], str]
+"""Values a ``secretKeyRef`` resolves to without a source: ``(Secret name, key) -> value``
+(``ddpjob run`` knows exactly one, the job's store key)."""
+
 
 def container_env(
     container: Mapping[str, Any],
@@ -101,13 +105,15 @@ def container_env(
     fields: Mapping[str, str],
     where: str,
     source: EnvSource | None = None,
+    secrets: SecretValues | None = None,
 ) -> dict[str, str]:
     """A container's env as the kubelet resolves it: ``base`` (the image's env), then
     ``envFrom``, then ``env`` in order, each value ``$(VAR)``-expanded against what came before.
 
     ``fields`` maps the ``fieldRef`` paths that can be resolved (``metadata.name``,
     ``status.podIP``, ``metadata.labels['x']``...) to their values; ``where`` is the
-    container's field path, for errors (``spec.containers[0]``).
+    container's field path, for errors (``spec.containers[0]``). A ``secretKeyRef`` found in
+    ``secrets`` takes its value from there (never expanded); any other goes to ``source``.
     """
     env = dict(base)
     for index, item in enumerate(container.get("envFrom") or []):
@@ -133,7 +139,12 @@ def container_env(
             env[name] = fields[field]
             continue
         kind = next(iter(value_from), "")
-        value = _resolve(source, kind, value_from.get(kind) or {}, f"{where}.env[{index}] ({name})")
+        ref = value_from.get(kind) or {}
+        known = (str(ref.get("name", "")), str(ref.get("key", "")))
+        if kind == "secretKeyRef" and secrets is not None and known in secrets:
+            env[name] = secrets[known]
+            continue
+        value = _resolve(source, kind, ref, f"{where}.env[{index}] ({name})")
         if isinstance(value, str):
             env[name] = value
     return env
@@ -187,8 +198,13 @@ def container_argv(
     return [found, *argv[1:]]
 
 
-def pod_env(pod: Mapping[str, Any], base: Mapping[str, str]) -> dict[str, str]:
-    """The trainer container's env for the local runner, with the pod on 127.0.0.1."""
+def pod_env(
+    pod: Mapping[str, Any], base: Mapping[str, str], secrets: SecretValues | None = None
+) -> dict[str, str]:
+    """The trainer container's env for the local runner, with the pod on 127.0.0.1.
+
+    ``secrets``: the Secret values the run provides (the job's store key); any other
+    ``valueFrom`` but a ``fieldRef`` is refused, naming the variable."""
     meta = pod["metadata"]
     fields = {
         "status.podIP": LOOPBACK,
@@ -197,7 +213,7 @@ def pod_env(pod: Mapping[str, Any], base: Mapping[str, str]) -> dict[str, str]:
         "spec.nodeName": "localhost",
     }
     container = pod["spec"]["containers"][0]
-    return container_env(container, base=base, fields=fields, where=LOCAL_TRAINER)
+    return container_env(container, base=base, fields=fields, where=LOCAL_TRAINER, secrets=secrets)
 
 
 def pod_argv(pod: Mapping[str, Any], env: Mapping[str, str]) -> list[str]:
@@ -503,9 +519,10 @@ def start_pod(
     cwd: Path,
     log_dir: Path,
     attempt: int,
+    secrets: SecretValues | None = None,
 ) -> LocalPod:
     """Start one pod's trainer as a new session, its output in ``<log_dir>/<pod>.<attempt>.log``."""
-    env = pod_env(pod, base_env)
+    env = pod_env(pod, base_env, secrets)
     argv = pod_argv(pod, env)
     name = pod["metadata"]["name"]
     state_file = Path(env.get("DDPJOB_STATE_FILE", log_dir / f"{name}.state.json"))

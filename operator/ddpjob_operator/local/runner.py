@@ -43,6 +43,7 @@ import datetime as dt
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -156,6 +157,12 @@ class LocalRunner:
             state_dir=str(self.run_dir / "state"),
             directory_base=free_port_run(job.spec.effective_max),
         )
+        self.secret_values = {
+            # One store key per run, which every pod of it gets (the job's store-key Secret).
+            (builders.store_key_secret_name(job.name), builders.STORE_KEY_ENTRY): (
+                secrets.token_urlsafe(32)
+            )
+        }
         self.chaos_interval: float | None = args.chaos
         self.chaos_kind: str = args.chaos_kind or "kill"
         self.chaos_thaw: float | None = args.chaos_thaw
@@ -184,7 +191,7 @@ class LocalRunner:
     def preflight(self) -> None:
         """Resolve pod 0's env and command now: bad input fails before anything starts."""
         pod = builders.build_pod(self.job, 0, self.network)
-        pod_argv(pod, pod_env(pod, self.base_env))
+        pod_argv(pod, pod_env(pod, self.base_env, self.secret_values))
 
     def _chaos_due(self, now: float) -> float | None:
         if self.chaos_interval is None:
@@ -250,6 +257,7 @@ class LocalRunner:
                 cwd=self.manifest.parent,
                 log_dir=self.run_dir / "logs",
                 attempt=attempt,
+                secrets=self.secret_values,
             )
         elif isinstance(action, DeletePod):
             pod = self.pods.get(action.name)
