@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +37,28 @@ with open(os.environ["REPORT_TO"], "w") as f:
     json.dump(out, f)
 sys.exit(int(os.environ.get("EXIT_WITH", "0")))
 """
+
+
+@contextlib.contextmanager
+def agent_stdin(path: Path | str) -> Iterator[None]:
+    """This process's fd 0, which spares started meanwhile and cold workers inherit, reads
+    ``path`` (pytest leaves it ``/dev/null``, or a terminal under ``-s``)."""
+    saved = os.dup(0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.dup2(fd, 0)
+        yield
+    finally:
+        os.close(fd)
+        os.dup2(saved, 0)
+        os.close(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_terminal_stdin() -> Iterator[None]:
+    """Workers read their stdin (REPORT): never the terminal of ``pytest -s``."""
+    with agent_stdin(os.devnull):
+        yield
 
 
 @pytest.fixture
@@ -332,8 +355,8 @@ def test_a_spare_is_ready_once_its_imports_are_done_and_its_worker_inherits_no_p
         proc = pool.take([PY, "-u", str(script)], dict(os.environ), redirected=False)
         assert proc is not None and wait(proc) == 0
         fds = json.loads(report.read_text())
-        # stdin (/dev/null after the handover), stdout, stderr and the listing's own: no pipe.
-        assert fds["0"] == os.devnull
+        # stdin (the agent's after the handover), stdout, stderr and the listing's own: no pipe.
+        assert fds["0"] == os.readlink("/proc/self/fd/0") == os.devnull
         assert not [link for fd, link in fds.items() if int(fd) > 2 and "pipe:" in link]
         assert pool.ready == 0
     finally:

@@ -3,11 +3,11 @@
 A restart's new workers spend most of their start-up in ``import torch`` (0.8 to 1 s on this
 project's 2-core machine, more on a busy node), and every survivor of a failure, a leave or a
 scale-up pays it again. So once a worker group has run for :data:`WARM_AFTER_SECONDS`, the agent
-starts one spare per local rank: ``python -u -m ddpjob_worker.warm <script>``, which imports torch
-and waits on its stdin. When torch's ``SubprocessHandler`` is about to ``Popen`` a worker, the
-agent hands a spare the worker's ``argv`` and environment instead (:meth:`WarmPool.take`); the
-spare sets them and runs the script as ``__main__`` with :mod:`runpy`, as ``python -u script``
-would. Nothing is handed over unless it would behave like a cold start:
+starts one spare per local rank: ``python -u -c <import ddpjob_worker.warm ...> <script>``,
+which imports torch and waits on its stdin. When torch's ``SubprocessHandler`` is about to
+``Popen`` a worker, the agent hands a spare the worker's ``argv`` and environment instead
+(:meth:`WarmPool.take`); the spare sets them and runs the script as ``__main__``, as ``python -u
+script`` would. Nothing is handed over unless it would behave like a cold start:
 
 * the command must be ``<this python> -u <script> ...`` or ``<this python> -u -m <module> ...``
   (torchrun's form); any other interpreter, flag, NUMA wrapper or ``--no-python`` starts cold;
@@ -16,13 +16,30 @@ would. Nothing is handed over unless it would behave like a cold start:
   sets per worker (:data:`PER_WORKER`); anything else (``PYTHONPATH``, ``LD_PRELOAD``,
   ``OMP_NUM_THREADS`` ...) changed since the spare started means a cold start.
 
+What differs from a cold start otherwise is kept from the worker's view:
+
+* ``sys.path``: the spare drops ``-c``'s current directory before it imports anything, so a
+  ``sympy.py`` in the working directory does not shadow torch's; at the handover the script's
+  directory (``-m``: the current directory) goes first, as ``python`` puts it (none with
+  ``PYTHONSAFEPATH``). What is preloaded stays preloaded, though: a module next to the script
+  named like one torch imports shadows it in a cold worker only.
+* stdin: the spare's stdin is the handover pipe; it also inherits a copy of the agent's stdin,
+  which becomes its fd 0 and a new ``sys.stdin`` (made as python makes its own) at the handover:
+  a warm worker reads what a cold one would (``ddpjob-agent train.py < input``, ``breakpoint()``
+  under ``kubectl attach -it``).
+* CUDA: a spare never initialises CUDA itself, but a ``sitecustomize``, a ``.pth`` hook or a
+  preloaded module might, and the driver keeps the ``CUDA_VISIBLE_DEVICES`` it read then. A
+  spare that holds a GPU device open (or whose ``torch.cuda`` says it is initialised) and is
+  handed a worker with other ``CUDA_VISIBLE_DEVICES`` (``--virtual-local-rank``) does not run it:
+  it says why on the worker's stderr and execs the worker's own command: a cold start, with the
+  same pid, so the agent's ``Popen`` stays the worker's (:func:`cuda_pinned`).
+
 ``ddpjob-agent`` also starts spares before it imports torch itself (:func:`start_early`), for
 its first workers; the agent adopts those whose environment still matches (:meth:`WarmPool.adopt`).
 
-The spare's stdin is a pipe; after the handover it is ``/dev/null`` (a cold worker inherits the
-agent's stdin, which in a pod is ``/dev/null`` too). If the agent dies, the pipe closes and idle
-spares exit. ``DDPJOB_WARM_WORKERS=0`` turns the pool off; each spare costs about one
-``import torch`` of memory (docs/agent.md has the figures).
+If the agent dies, the handover pipe closes and idle spares exit. ``DDPJOB_WARM_WORKERS=0``
+turns the pool off; each spare costs about one ``import torch`` of memory (docs/agent.md has
+the figures).
 
 The handler side (torch's ``SubprocessHandler``) lives in :mod:`ddpjob_worker.agent`; this module
 imports only the standard library (and torch in the spare itself).
@@ -33,6 +50,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -43,8 +61,9 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib.machinery import ModuleSpec
+from typing import NoReturn
 
 from ddpjob_worker.memory import Memory, container_memory
 
@@ -55,6 +74,13 @@ WARM_AFTER_SECONDS = 3.0
 (``import torch``, the process group, the checkpoint) gets the cores first."""
 
 MODULE = "ddpjob_worker.warm"
+
+BOOT = (
+    "import sys; sys.flags.safe_path or sys.path.pop(0); "
+    f"from {MODULE} import run; run(sys.argv[1:])"
+)
+"""The spare's ``python -c`` program: ``-c`` puts the current directory first on ``sys.path``
+(unless ``PYTHONSAFEPATH``); it goes before anything is imported, ``ddpjob_worker`` included."""
 
 PER_WORKER = frozenset(
     {
@@ -79,6 +105,10 @@ the training script and by torch when it is used (the process group, CUDA), not 
 torch``, so a spare may take them after the import."""
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+
+GPU_DEVICES = ("/dev/nvidia", "/dev/kfd")
+"""Device files a process that initialised CUDA (or ROCm's HIP) holds open: ``/dev/nvidiactl``,
+``/dev/nvidia-uvm``, ``/dev/nvidia0``..., ``/dev/kfd``."""
 
 SPARE_BYTES = 400 << 20
 """What an idle spare costs its container, about: its private memory once torch is imported (354
@@ -181,8 +211,13 @@ def start_spare(
     except OSError as exc:
         logger.warning("could not start a warm worker (%s); workers start cold", exc)
         return None
-    command = [python, "-u", "-m", MODULE, "--preload", ",".join(preload)]
+    passed = [ready_write]
+    command = [python, "-u", "-c", BOOT, "--preload", ",".join(preload)]
     command += ["--ready-fd", str(ready_write)]
+    with contextlib.suppress(OSError):  # no stdin of our own: the worker's is /dev/null
+        stdin_copy = os.dup(0)  # close-on-exec too; the spare's fd 0 is the handover pipe
+        passed.append(stdin_copy)
+        command += ["--stdin-fd", str(stdin_copy)]
     if label:
         command.append(label)  # shows in ps; the real argv comes over stdin
     try:
@@ -191,14 +226,15 @@ def start_spare(
             env=env,
             stdin=subprocess.PIPE,
             start_new_session=True,
-            pass_fds=(ready_write,),
+            pass_fds=passed,
         )
     except OSError as exc:
         os.close(ready_read)
         logger.warning("could not start a warm worker (%s); workers start cold", exc)
         return None
     finally:
-        os.close(ready_write)
+        for fd in passed:
+            os.close(fd)
     logger.debug("started warm worker pid %d", proc.pid)
     return Spare(proc, env, ready_read)
 
@@ -327,7 +363,7 @@ class WarmPool:
         spare.release()
         if not reason and argv is not None:
             try:
-                self._hand_over(spare, argv, env)
+                self._hand_over(spare, command, argv, env)
             except OSError as exc:  # it died between poll() and our write
                 reason = f"could not hand over ({exc})"
         if reason:
@@ -339,11 +375,15 @@ class WarmPool:
         return spare.proc
 
     @staticmethod
-    def _hand_over(spare: Spare, argv: list[str], env: Mapping[str, str]) -> None:
+    def _hand_over(
+        spare: Spare, command: Sequence[str], argv: list[str], env: Mapping[str, str]
+    ) -> None:
         stdin = spare.proc.stdin
         if stdin is None:
             raise OSError("the spare has no stdin pipe")
-        payload = json.dumps({"argv": argv, "env": dict(env)}).encode()
+        # ``command``: what the spare execs instead when it cannot run the worker (its CUDA).
+        message = {"argv": argv, "env": dict(env), "command": list(command)}
+        payload = json.dumps(message).encode()
         stdin.write(payload)
         stdin.close()
 
@@ -374,11 +414,65 @@ def _preload(names: Sequence[str]) -> None:
             return
 
 
-def _stdin_to_devnull() -> None:
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
+def _take_stdin(fd: int | None) -> None:
+    """Make ``fd`` (the copy of the agent's stdin; None: ``/dev/null``) this process's fd 0 in
+    place of the handover pipe, and ``sys.stdin`` a new stream on it, made as python makes its
+    own at start-up (the old one's buffer, name and seekability are the pipe's)."""
+    if fd is None:
+        fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+    old = sys.__stdin__
+    buffer = open(0, "rb", closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
+    if isinstance(buffer.raw, io.FileIO):
+        buffer.raw.name = "<stdin>"
+    stdin = io.TextIOWrapper(
+        buffer,
+        encoding=old.encoding if old is not None else None,
+        errors=old.errors if old is not None else None,
+        newline="\n",
+        line_buffering=old.line_buffering if old is not None else False,
+        write_through=old.write_through if old is not None else False,
+    )
+    stdin.mode = "r"  # type: ignore[misc]
+    sys.stdin = sys.__stdin__ = stdin  # type: ignore[misc]
+
+
+def cuda_pinned(fd_targets: Iterable[str], torch_cuda_initialized: bool) -> bool:
+    """Whether a process has initialised CUDA, and so keeps the ``CUDA_VISIBLE_DEVICES`` it had
+    then: it holds a GPU device open (``fd_targets``: where its descriptors point,
+    :data:`GPU_DEVICES`), or torch says so (``torch.cuda.is_available()`` opens the devices
+    without setting torch's flag; the flag covers a driver that opens none)."""
+    return torch_cuda_initialized or any(t.startswith(GPU_DEVICES) for t in fd_targets)
+
+
+def _fd_targets() -> list[str]:
+    """Where this process's file descriptors point (``/proc/self/fd``)."""
+    targets = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                targets.append(os.readlink(f"/proc/self/fd/{name}"))
+    return targets
+
+
+def _torch_cuda_initialized() -> bool:
+    """``torch.cuda.is_initialized()`` if ``torch.cuda`` is imported (this never imports it)."""
+    check = getattr(sys.modules.get("torch.cuda"), "is_initialized", None)
+    if not callable(check):
+        return False
+    try:
+        return bool(check())
+    except Exception:  # unknown: take it as initialised, a cold start is safe
+        return True
+
+
+def _start_cold(command: Sequence[str], env: Mapping[str, str]) -> NoReturn:
+    """Become ``command`` with ``env``, as torch's ``Popen`` would have started it (the default
+    SIGPIPE and SIGXFSZ of its ``restore_signals``; fds 0 to 2; the spare's new session)."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    os.execvpe(command[0], list(command), dict(env))  # noqa: S606 - the worker's own command
 
 
 def _oom_score_adj(value: str | None = None) -> str | None:
@@ -410,10 +504,12 @@ def run(argv: Sequence[str]) -> None:
     ``__main__``.
 
     ``argv``: ``--preload mod1,mod2``, ``--ready-fd N`` (the pipe :attr:`Spare.ready` reads),
-    then, ignored, what the worker will run (for ``ps``).
+    ``--stdin-fd N`` (the agent's stdin, the worker's), then, ignored, what the worker will run
+    (for ``ps``).
     """
     options = dict(zip(argv[0::2], argv[1::2], strict=False))
     ready_fd = int(options["--ready-fd"]) if "--ready-fd" in options else None
+    stdin_fd = int(options["--stdin-fd"]) if "--stdin-fd" in options else None
     container_score = _oom_score_adj()
     if container_score is not None:
         _oom_score_adj(IDLE_OOM_SCORE_ADJ)
@@ -440,18 +536,31 @@ def run(argv: Sequence[str]) -> None:
             file=sys.stderr,
             flush=True,
         )
+    spare_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ.clear()
     os.environ.update(message["env"])
-    _stdin_to_devnull()
+    _take_stdin(stdin_fd)
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if devices != spare_devices and cuda_pinned(_fd_targets(), _torch_cuda_initialized()):
+        print(
+            f"ddpjob warm worker: CUDA was initialised in this spare with CUDA_VISIBLE_DEVICES="
+            f"{spare_devices!r}; the worker's is {devices!r}: starting it cold",
+            file=sys.stderr,
+            flush=True,
+        )
+        _start_cold(message["command"], os.environ)
     if worker_argv[0] == "-m":
+        if not sys.flags.safe_path:
+            sys.path.insert(0, os.getcwd())  # as python -m does
         _run_module(worker_argv[1], worker_argv[2:])
         return
     script = worker_argv[0]
     sys.argv = list(worker_argv)
-    sys.path[0] = os.path.dirname(os.path.realpath(script))  # as python does for a script
     if not os.path.isfile(script):  # a directory or zip with __main__.py: runpy's to find
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(script, run_name="__main__")  # it puts the path first, as python does
         return
+    if not sys.flags.safe_path:
+        sys.path.insert(0, os.path.dirname(os.path.realpath(script)))  # as python does
     with open(script, "rb") as handle:
         source = handle.read()
     _exec_as_main(compile(source, script, "exec"), file=script, spec=None)
