@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ddpjob_worker.contract import PET_LOCAL_ADDR, AgentContract, agent_env
+from ddpjob_worker.seal import KEY_ENV
 from ddpjob_worker.state import AgentState, read_state
 from tests.netns import Fabric
 
@@ -106,7 +107,7 @@ def descendants(pid: int) -> list[int]:
 
 def is_idle_spare(pid: int) -> bool:
     """A warm worker (``ddpjob_worker.warm``) still waiting on its stdin pipe for a worker to
-    become; once handed a worker its stdin is ``/dev/null``."""
+    become; once handed a worker its stdin is the agent's (``/dev/null`` in these tests)."""
     try:
         if b"ddpjob_worker.warm" not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return False
@@ -260,6 +261,8 @@ class Cluster:
     def __init__(self, tmp: Path, *, min_nodes: int, max_nodes: int, **timing: int) -> None:
         self.tmp = tmp
         self.tag = uuid.uuid4().hex
+        self.store_key = uuid.uuid4().hex
+        """The job's store key, as a DDPJob's Secret gives every pod (``DDPJOB_STORE_KEY``)."""
         self.port = free_port()
         self.run_id = f"run-{self.tag[:8]}"
         self.ckpt_dir = tmp / "ckpt"
@@ -347,6 +350,7 @@ class Cluster:
             **os.environ,
             **agent_env(contract),
             TAG_ENV: self.tag,
+            KEY_ENV: self.store_key,
             "DDPJOB_CKPT_DIR": str(self.ckpt_dir),
             "PYTHONUNBUFFERED": "1",
         }

@@ -303,11 +303,19 @@ def drop_the_round(cluster: Cluster) -> None:
         _create_tcp_store,
     )
 
+    from ddpjob_worker.rendezvous import SealedBackend  # noqa: PLC0415
+    from ddpjob_worker.seal import Seal  # noqa: PLC0415
+
     params = RendezvousParameters(
         "c10d", f"127.0.0.1:{cluster.port}", cluster.run_id, 1, 3, is_host="false"
     )
     store = _create_tcp_store(params)
-    backend = C10dRendezvousBackend(store, cluster.run_id)
+    # As an agent of the job writes it: sealed with the job's key.
+    backend = SealedBackend(
+        C10dRendezvousBackend(store, cluster.run_id),
+        Seal(cluster.store_key.encode()),
+        f"torch.rendezvous.{cluster.run_id}",
+    )
     for _ in range(20):
         current = backend.get_state()
         assert current is not None

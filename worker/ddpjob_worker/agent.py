@@ -115,11 +115,14 @@ from ddpjob_worker.rendezvous import (
     END_FAILURE,
     END_JOIN,
     END_LEAVE,
+    HOSTED,
     FastRendezvous,
     ident,
+    is_jobs_store,
     seed_incarnation,
 )
 from ddpjob_worker.saving import marker as saving_marker
+from ddpjob_worker.seal import Seal
 from ddpjob_worker.state import AgentState, Failure, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.agent")
@@ -232,10 +235,15 @@ class DdpjobAgent(LocalElasticAgent):
                 spare.kill()
         self.gave_up = False
 
+    @functools.cached_property
+    def _seal(self) -> Seal:
+        """The job's store key (``DDPJOB_STORE_KEY``), if it has one."""
+        return Seal.from_env()
+
     def _attach(self, handler: RendezvousHandler) -> FastRendezvous | None:
         """Our rendezvous additions (:mod:`ddpjob_worker.rendezvous`) on ``handler``, and our
         liveness socket's address published in its store."""
-        fast = FastRendezvous.attach(handler)
+        fast = FastRendezvous.attach(handler, self._seal)
         if fast is None:
             return None
         fast.fenced = self._settings.failover
@@ -244,6 +252,7 @@ class DdpjobAgent(LocalElasticAgent):
             self._liveness = liveness.listen(fast.node.addr, self._settings.directory_port)
         try:
             if self._hosting:
+                fast.mark_hosted()
                 fast.set_gen(self._gen)
             if self._liveness is not None:
                 fast.publish(
@@ -499,10 +508,16 @@ class DdpjobAgent(LocalElasticAgent):
         if store is None or group.group_rank is None:
             return False, False
         try:
-            store.append(FAILURE_REPORTS_KEY, format_report(failure))
+            report = format_report(failure).rstrip(";")
+            store.append(FAILURE_REPORTS_KEY, self._seal.items(FAILURE_REPORTS_KEY, [report]))
         except (RuntimeError, OSError) as exc:  # store trouble (DistError is a RuntimeError)
             return self._store_trouble(exc)
         return None, False
+
+    def _reports(self, store: Any) -> list[FailureReport]:
+        """The failure reports of a round's store that the job's agents wrote (sealed)."""
+        raw = bytes(store.get(FAILURE_REPORTS_KEY)).decode(errors="replace")
+        return parse_reports(";".join(self._seal.open_items(FAILURE_REPORTS_KEY, raw)))
 
     def _store_trouble(self, exc: Exception) -> tuple[bool, bool]:
         """``(collateral, store_lost)`` when the store fails us while we compare reports (never
@@ -530,9 +545,7 @@ class DdpjobAgent(LocalElasticAgent):
         deadline = time.monotonic() + FAILURE_SETTLE_SECONDS
         while True:
             try:
-                reports = parse_reports(
-                    bytes(store.get(FAILURE_REPORTS_KEY)).decode(errors="replace")
-                )
+                reports = self._reports(store)
             except (RuntimeError, OSError) as exc:
                 return self._store_trouble(exc)
             verdict = settled(reports, node, nodes)
@@ -570,7 +583,7 @@ class DdpjobAgent(LocalElasticAgent):
             self._budget = self._budget.free_restart(after_failure=True)
             return
         try:
-            reports = parse_reports(bytes(store.get(FAILURE_REPORTS_KEY)).decode(errors="replace"))
+            reports = self._reports(store)
         except (RuntimeError, OSError) as exc:
             collateral, store_lost = self._store_trouble(exc)
             reports, root = [], not (collateral or store_lost)
@@ -904,7 +917,7 @@ class DdpjobAgent(LocalElasticAgent):
 
         def hand_over() -> None:
             fast.confirm_gone([ident(fast.node)])
-            fast.announce_end(f"{END_LEAVE};{END_HANDOVER}")
+            fast.announce_end(END_LEAVE, END_HANDOVER)
 
         try:
             _call_bounded(hand_over, "hand the store over", limit=LEAVE_BOUND_SECONDS)
@@ -1104,7 +1117,15 @@ class DdpjobAgent(LocalElasticAgent):
                     "connect to the rendezvous store",
                     limit=self._settings.store_read_timeout or 10.0,
                 )
-                return handler
+                if is_jobs_store(handler, self._seal):
+                    return handler
+                logger.warning(
+                    "the store at %s is not this job's (no sealed %r key): its address is "
+                    "another pod's now; looking again",
+                    params.endpoint,
+                    HOSTED,
+                )
+                time.sleep(min(retry_after, max(0.0, deadline - time.monotonic())))
             except (RendezvousConnectionError, StoreSilentError) as exc:
                 logger.warning("store at %s not ready yet: %s", params.endpoint, exc)
                 time.sleep(min(retry_after, max(0.0, deadline - time.monotonic())))
@@ -1760,7 +1781,7 @@ def _first_handler(
                 "rendezvous endpoint %s:%d is up after %d tries", host, port, probe.attempts
             )
         try:
-            return rdzv_registry.get_rendezvous_handler(params)
+            handler = rdzv_registry.get_rendezvous_handler(params)
         except RendezvousConnectionError as exc:
             if deadline - time.monotonic() <= 0:
                 raise EndpointUnreachableError(
@@ -1768,3 +1789,19 @@ def _first_handler(
                     f"not answer within the join timeout ({settings.join_timeout:g}s): {exc}"
                 ) from exc
             time.sleep(0.2)
+            continue
+        if is_jobs_store(handler, Seal.from_env()):
+            return handler
+        if deadline - time.monotonic() <= 0:
+            raise EndpointUnreachableError(
+                f"the store at {host}:{port} is not this job's (its host never said so with the "
+                f"job's key) within the join timeout ({settings.join_timeout:g}s): the name "
+                "resolves to another pod's address"
+            )
+        logger.warning(
+            "the store at %s:%d is not this job's (no sealed %r key): looking again",
+            host,
+            port,
+            HOSTED,
+        )
+        time.sleep(0.5)

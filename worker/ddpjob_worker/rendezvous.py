@@ -55,6 +55,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from ddpjob_worker import liveness
 from ddpjob_worker.policy import has_quorum, round_is_full
+from ddpjob_worker.seal import Seal, SealError
 
 logger = logging.getLogger("ddpjob_worker.rendezvous")
 
@@ -128,8 +129,15 @@ def ident(node: _NodeDesc | str) -> str:
 class FastRendezvous:
     """The additions above, attached to one ``DynamicRendezvousHandler``."""
 
-    def __init__(self, handler: DynamicRendezvousHandler, *, poll: float = JOIN_POLL_SECONDS):
+    def __init__(
+        self,
+        handler: DynamicRendezvousHandler,
+        seal: Seal | None = None,
+        *,
+        poll: float = JOIN_POLL_SECONDS,
+    ):
         self._handler = handler
+        self._seal = seal if seal is not None else Seal(None)
         self._node: _NodeDesc = handler._this_node
         self._holder = handler._state_holder
         self._settings = handler._settings
@@ -146,10 +154,16 @@ class FastRendezvous:
         """Called about once a second while a fenced join waits (for more nodes, or for a
         majority); it may raise to abandon this store, as a host does that finds a newer one."""
         handler._op_executor = _Executor(self, poll)
+        if self._seal.on:  # before the first sync: every state read or written is sealed
+            holder: Any = self._holder
+            key = f"torch.rendezvous.{self._settings.run_id}"
+            holder._backend = SealedBackend(holder._backend, self._seal, key)
 
     @classmethod
-    def attach(cls, handler: RendezvousHandler) -> FastRendezvous | None:
-        """Attach to ``handler``, or None if it is not torch 2.13's dynamic handler."""
+    def attach(cls, handler: RendezvousHandler, seal: Seal | None = None) -> FastRendezvous | None:
+        """Attach to ``handler``, or None if it is not torch 2.13's dynamic handler. With the
+        job's key (``seal``), everything written to the store from now on is sealed with it,
+        torch's rendezvous state included (:mod:`ddpjob_worker.seal`)."""
         if not isinstance(handler, DynamicRendezvousHandler) or not all(
             hasattr(handler, name) for name in _REQUIRED
         ):
@@ -157,7 +171,62 @@ class FastRendezvous:
             return None
         if not isinstance(handler._op_executor, _DistributedRendezvousOpExecutor):
             return None
-        return cls(handler)
+        if seal is not None and seal.on and not hasattr(handler._state_holder, "_backend"):
+            return None
+        return cls(handler, seal)
+
+    # -- the run's keys, sealed with the job's key ------------------------------------------
+
+    def _name(self, what: str) -> str:
+        return _key(self._settings.run_id, what)
+
+    def _put(self, what: str, value: str) -> None:
+        name = self._name(what)
+        self._store.set(name, self._seal.value(name, value))
+
+    def _read(self, what: str) -> str | None:
+        """The value of one of the run's keys; None when it is not there, or not sealed with
+        the job's key (logged: nobody of the job wrote it)."""
+        name = self._name(what)
+        if not self._store.check([name]):
+            return None
+        return self._opened(name, bytes(self._store.get(name)))
+
+    def _read_many(self, whats: Iterable[str]) -> dict[str, str]:
+        """The values of those of the run's keys that are there (and sealed), in one request."""
+        names = {what: self._name(what) for what in whats}
+        present = {what: name for what, name in names.items() if self._store.check([name])}
+        if not present:
+            return {}
+        values = self._store.multi_get(list(present.values()))
+        found = {}
+        for (what, name), raw in zip(present.items(), values, strict=True):
+            value = self._opened(name, bytes(raw))
+            if value is not None:
+                found[what] = value
+        return found
+
+    def _opened(self, name: str, raw: bytes) -> str | None:
+        value = self._seal.open(name, raw.decode(errors="replace"))
+        if value is None:
+            logger.warning("ignoring %s in the store: not sealed with this job's key", name)
+        return value
+
+    def _add(self, what: str, items: Iterable[str]) -> None:
+        """Append ``items`` (no ``;`` in them) to one of the run's lists."""
+        name = self._name(what)
+        self._store.append(name, self._seal.items(name, items))
+
+    def _items(self, what: str) -> list[str]:
+        """The items of one of the run's lists that the job's agents wrote, in order."""
+        name = self._name(what)
+        if not self._store.check([name]):
+            return []
+        return self._seal.open_items(name, bytes(self._store.get(name)).decode(errors="replace"))
+
+    def mark_hosted(self) -> None:
+        """Say, as the store's host, that this store is the job's (see :func:`is_jobs_store`)."""
+        self._put(HOSTED, ident(self._node))
 
     # -- who is in the round ----------------------------------------------------------------
 
@@ -193,16 +262,15 @@ class FastRendezvous:
 
     def record_base(self, base_id: str, members: dict[str, int | None]) -> None:
         """Record the members (:func:`ident` -> pod index) a later round needs a majority of."""
-        record = json.dumps({"id": base_id, "members": members})
-        self._store.set(_key(self._settings.run_id, "base"), record)
+        self._put("base", json.dumps({"id": base_id, "members": members}))
 
     def base(self) -> tuple[str, dict[str, int | None]] | None:
         """``(id, members)`` recorded by :meth:`record_base`, if any."""
-        key = _key(self._settings.run_id, "base")
-        if not self._store.check([key]):
+        raw = self._read("base")
+        if raw is None:
             return None
         try:
-            record = json.loads(bytes(self._store.get(key)))
+            record = json.loads(raw)
             members = {str(node): index for node, index in record["members"].items()}
             return str(record["id"]), members
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -220,32 +288,22 @@ class FastRendezvous:
             if base is None:
                 return
             base_id = base[0]
-        self._store.append(
-            _key(self._settings.run_id, f"gone.{base_id}"), "".join(f"{n};" for n in names)
-        )
+        self._add(f"gone.{base_id}", names)
 
     def confirmed_gone(self, base_id: str) -> set[str]:
         """The members (:func:`ident`) known gone: named for this base, or left the run."""
-        key = _key(self._settings.run_id, f"gone.{base_id}")
-        found = {ident(node) for node in self.left()}
-        if self._store.check([key]):
-            raw = bytes(self._store.get(key)).decode(errors="replace")
-            found |= {item for item in raw.split(";") if item}
-        return found
+        return {ident(node) for node in self.left()} | set(self._items(f"gone.{base_id}"))
 
     def indexes(self, nodes: Iterable[str]) -> dict[str, int | None]:
         """The pod index each node (:func:`ident`) published (None: none)."""
         names = list(nodes)
-        keys = [_key(self._settings.run_id, f"index.{node}") for node in names]
         out: dict[str, int | None] = dict.fromkeys(names)
-        present = [(n, k) for n, k in zip(names, keys, strict=True) if self._store.check([k])]
-        if present:
-            values = self._store.multi_get([k for _, k in present])
-            for (node, _), raw in zip(present, values, strict=True):
-                try:
-                    out[node] = int(bytes(raw))
-                except ValueError:
-                    continue
+        found = self._read_many(f"index.{node}" for node in names)
+        for node in names:
+            try:
+                out[node] = int(found[f"index.{node}"])
+            except (KeyError, ValueError):
+                continue
         return out
 
     def quorum(self, participants: Iterable[_NodeDesc]) -> bool:
@@ -275,12 +333,12 @@ class FastRendezvous:
     def expected_idents(self) -> frozenset[str] | None:
         return self._expected_idents
 
-    def announce_end(self, reason: str) -> None:
+    def announce_end(self, *reasons: str) -> None:
         """Tell the round's members it is over, and why (:data:`END_FAILURE`, :data:`END_LEAVE`,
         :data:`END_JOIN`). They restart at once instead of when their collective breaks, which
         gloo notices late or, for a worker busy computing, only at its next collective."""
         if self._round is not None:
-            self._store.append(self._over_key(), f"{reason};")
+            self._add(self._over(), [f"{reason}@{self._node!r}" for reason in reasons])
 
     def round_over(self) -> frozenset[str]:
         """Why our round is over, as its members announced, or :data:`END_DROPPED` when the
@@ -291,77 +349,68 @@ class FastRendezvous:
         state = self._holder.state
         if state.round != self._round or self._node not in state.participants:
             return frozenset({END_DROPPED})
-        if not self._store.check([self._over_key()]):
-            return frozenset()
-        raw = bytes(self._store.get(self._over_key())).decode(errors="replace")
-        return frozenset(item for item in raw.split(";") if item)
+        members = {repr(node) for node in state.participants} | {repr(n) for n in self._members}
+        reasons = set()
+        for item in self._items(self._over()):
+            reason, _, author = item.partition("@")
+            if author in members:  # a round's end is its members' to say
+                reasons.add(reason)
+        return frozenset(reasons)
 
-    def _over_key(self) -> str:
-        return _key(self._settings.run_id, f"round.{self._round}.over")
+    def _over(self) -> str:
+        return f"round.{self._round}.over"
 
     # -- the run's own keys -----------------------------------------------------------------
 
     def publish(self, address: str, *, host: bool = False, index: int | None = None) -> None:
         """Publish where our liveness socket listens and our pod index (again on every store:
         a recovered store starts empty), and, from the store's host, which node it is."""
-        self._store.set(_key(self._settings.run_id, f"alive.{self._node!r}"), address)
+        self._add("alive", [f"{self._node!r}={address}"])
         if index is not None:
-            self._store.set(_key(self._settings.run_id, f"index.{ident(self._node)}"), str(index))
+            self._put(f"index.{ident(self._node)}", str(index))
         if host:
-            self._store.set(_key(self._settings.run_id, "host"), repr(self._node))
+            self._put("host", repr(self._node))
 
     def set_gen(self, gen: int) -> None:
         """Record this store's generation (1: the job's first store; each failover adds 1)."""
-        self._store.set(_key(self._settings.run_id, "gen"), str(gen))
+        self._put("gen", str(gen))
 
     def gen(self) -> int:
-        key = _key(self._settings.run_id, "gen")
-        if not self._store.check([key]):
-            return 1
         try:
-            return int(bytes(self._store.get(key)))
+            return int(self._read("gen") or 1)
         except ValueError:
             return 1
 
     def host(self) -> str | None:
         """The node (``repr``) of the agent that hosts this store, if it said so."""
-        key = _key(self._settings.run_id, "host")
-        if not self._store.check([key]):
-            return None
-        return bytes(self._store.get(key)).decode(errors="replace")
+        return self._read("host")
 
     def addresses(self, nodes: Iterable[_NodeDesc]) -> dict[str, str]:
         """The liveness addresses (node ``repr`` -> ``host:port``) that ``nodes`` published;
-        those that published none are left out."""
-        keys = {repr(node): _key(self._settings.run_id, f"alive.{node!r}") for node in nodes}
-        present = {node: key for node, key in keys.items() if self._store.check([key])}
-        if not present:
-            return {}
-        values = self._store.multi_get(list(present.values()))
-        return liveness.parse_addresses(zip(present, map(bytes, values), strict=True))
+        those that published none are left out. One request, whatever the number of nodes:
+        every agent publishes in the run's one ``alive`` list."""
+        wanted = {repr(node) for node in nodes}
+        found = {}
+        for item in self._items("alive"):
+            node, _, address = item.rpartition("=")
+            if node in wanted and address:
+                found[node] = address
+        return found
 
     def announce_silent(self, nodes: Iterable[str]) -> None:
         """Name the members of our round that stopped answering (read by :meth:`silent`)."""
         if self._round is not None:
-            self._store.append(self._silent_key(), "".join(f"{node};" for node in nodes))
+            self._add(f"round.{self._round}.silent", nodes)
 
     def silent(self) -> set[str]:
         """The members (``repr``) that a peer found silent in the round we joined last."""
-        if self._round is None or not self._store.check([self._silent_key()]):
+        if self._round is None:
             return set()
-        raw = bytes(self._store.get(self._silent_key())).decode(errors="replace")
-        return {item for item in raw.split(";") if item}
-
-    def _silent_key(self) -> str:
-        return _key(self._settings.run_id, f"round.{self._round}.silent")
+        return set(self._items(f"round.{self._round}.silent"))
 
     def left(self) -> set[str]:
         """The nodes (``repr``) that left the run on SIGTERM."""
-        key = _key(self._settings.run_id, "left")
-        if not self._store.check([key]):
-            return set()
-        raw = bytes(self._store.get(key)).decode(errors="replace")
-        return {item for item in raw.split(";") if item}
+        return set(self._items("left"))
 
     def gone(
         self, nodes: Iterable[_NodeDesc], timeout: float = liveness.PROBE_TIMEOUT_SECONDS
@@ -372,13 +421,8 @@ class FastRendezvous:
         others = {node for node in nodes if node != self._node}
         left = self.left() | self.silent()
         gone = {node for node in others if repr(node) in left}
-        addresses, unsure = {}, set()
-        for node in others - gone:
-            key = _key(self._settings.run_id, f"alive.{node!r}")
-            if self._store.check([key]):
-                addresses[repr(node)] = bytes(self._store.get(key)).decode(errors="replace")
-            else:
-                unsure.add(node)
+        addresses = self.addresses(others - gone)
+        unsure = {node for node in others - gone if repr(node) not in addresses}
         answers = liveness.probe_all(addresses, timeout)
         for node in others - gone - unsure:
             answer = answers[repr(node)]
@@ -426,7 +470,7 @@ class FastRendezvous:
     def leave(self) -> None:
         """Leave the run without closing it: say so in the ``left`` key, then remove ourselves
         from the round's participants. Peers re-form without us at once."""
-        self._store.append(_key(self._settings.run_id, "left"), f"{self._node!r};")
+        self._add("left", [repr(self._node)])
         self.announce_end(END_LEAVE)
         stop = getattr(self._handler, "_stop_heartbeats", None)
         if stop is not None:
@@ -437,6 +481,68 @@ class FastRendezvous:
         with self._handler._heartbeat_lock:
             self._handler._op_executor.run(_RendezvousExitOp(), deadline)
         logger.info("left the rendezvous (node %r)", self._node)
+
+
+HOSTED = "hosted"
+"""The run's key that a store's host writes as soon as it hosts the store (sealed)."""
+HOSTED_WAIT_SECONDS = 5.0
+"""How long an agent that reached a store waits for its host's ``hosted`` key (it is written
+milliseconds after the store starts) before taking the store for another job's."""
+
+
+def is_jobs_store(
+    handler: RendezvousHandler, seal: Seal, timeout: float = HOSTED_WAIT_SECONDS
+) -> bool:
+    """Whether the store ``handler`` reached is the job's: its host wrote the run's ``hosted``
+    key, sealed with the job's key. A name may resolve to an address that is now another pod's
+    (a cached DNS answer, a reused IP, a ``hostNetwork`` pod of another job on the same node
+    and port): its store takes any run id and would host a rendezvous of ours. Without the
+    job's key there is nothing to tell by, and any store is taken (True)."""
+    if not seal.on or not isinstance(handler, DynamicRendezvousHandler):
+        return True
+    store: Any = handler._store
+    name = _key(handler._settings.run_id, HOSTED)
+    try:
+        store.wait([name], timedelta(seconds=timeout))
+        return seal.open(name, bytes(store.get(name)).decode(errors="replace")) is not None
+    except RuntimeError:  # DistStoreError: not there in time
+        return False
+
+
+class SealedBackend:
+    """torch's rendezvous state backend, with the state sealed with the job's key: a state
+    that is not (forged, or written by an agent without the key) is refused before torch
+    unpickles it (:class:`ddpjob_worker.seal.SealError`)."""
+
+    def __init__(self, backend: Any, seal: Seal, key: str) -> None:
+        self._backend = backend
+        self._seal = seal
+        self._key = key
+
+    @property
+    def name(self) -> str:
+        return str(self._backend.name)
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        got = self._backend.get_state()
+        if got is None:
+            return None
+        state, token = got
+        return self._open(state), token
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        got = self._backend.set_state(self._seal.seal_bytes(self._key, state), token)
+        if got is None:
+            return None
+        stored, token, done = got
+        return self._open(stored), token, done
+
+    def _open(self, state: bytes) -> bytes:
+        try:
+            return self._seal.open_bytes(self._key, state)
+        except SealError as exc:
+            logger.error("%s", exc)
+            raise
 
 
 def _fresh_sync(holder: Any) -> None:
