@@ -414,6 +414,16 @@ class PodLogs:
             describe=lambda: describe() + "\n" + self.describe(),
         )
 
+    def tails(self, lines: int = 60) -> str:
+        """The last ``lines`` of every pod's log, oldest pod first (what a failed test shows:
+        a pod that exited has no log left in the cluster to read)."""
+        out = []
+        for log in list(self.logs.values()):
+            tail = [line for _, line in list(log.lines)[-lines:]]
+            out.append(f"---- {log.name} uid={log.uid[:8]}, last {len(tail)} lines:")
+            out.extend(tail)
+        return "\n".join(out)
+
     def describe(self) -> str:
         out = [f"collector errors: {self.errors[-5:]}"] if self.errors else []
         for log in self.logs.values():
@@ -435,6 +445,7 @@ def pod_logs() -> Iterator[Callable[[Kube, str, str], PodLogs]]:
 
     yield start
     for collector in started:
+        print(collector.tails())  # shown by pytest when the test failed
         collector.close()
 
 
