@@ -361,6 +361,9 @@ def _trainer(
             }
         )
     out["ports"] = ports
+    # A failed trainer's last log lines become its termination message, so the job's
+    # status.failures say why (the agent's own error) without the pod's log, gone with the pod.
+    out.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     command = out.get("command") or []
     if "readinessProbe" not in out and command[:1] == [AGENT]:
         out["readinessProbe"] = readiness_probe()

@@ -121,6 +121,22 @@ def test_exit_codes_and_reasons(kube: KubeTest, command: list[str], code: int, r
     assert (terminated["exitCode"], terminated["reason"]) == (code, reason)
 
 
+def test_a_failed_container_falls_back_to_its_log_for_a_termination_message(
+    kube: KubeTest,
+) -> None:
+    """``FallbackToLogsOnError``: the end of the log, at most 80 lines or 2048 bytes."""
+    script = "for i in $(seq 1 100); do echo line $i; done; exit 3"
+    fallback = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+    create(kube, pod("fails", "sh", "-c", script, container=fallback))
+    create(kube, pod("plain", "sh", "-c", script))
+    create(kube, pod("fine", "sh", "-c", "echo all good", container=fallback))
+    message = container_status(phase(kube, "fails", "Failed"))["state"]["terminated"]["message"]
+    assert message == "".join(f"line {i}\n" for i in range(21, 101))
+    assert "message" not in container_status(phase(kube, "plain", "Failed"))["state"]["terminated"]
+    done = container_status(phase(kube, "fine", "Succeeded"))["state"]["terminated"]
+    assert "message" not in done, "only a failed container's log is its message"
+
+
 def test_a_container_over_its_memory_limit_is_oom_killed(kube: KubeTest) -> None:
     if not _cgroups_writable():
         pytest.skip("no writable memory cgroup on this machine: the kernel cannot OOM-kill")

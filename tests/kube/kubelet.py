@@ -795,6 +795,8 @@ class Kubelet:
             reason, message = "StartError", _tail(c.proc.log_path).strip()[-500:]
         if c.cgroup is not None and self.cgroups is not None and self.cgroups.oom_kills(c.cgroup):
             reason = "OOMKilled"
+        if code != 0 and not message and c.spec.get("terminationMessagePolicy") == FALLBACK:
+            message = log_tail(_tail(c.proc.log_path))
         c.terminated = {
             "exitCode": code,
             "reason": reason,
@@ -1454,6 +1456,19 @@ class Kubelet:
         server.socket = context.wrap_socket(server.socket, server_side=True)
         server.daemon_threads = True
         server.serve_forever()
+
+
+FALLBACK = "FallbackToLogsOnError"
+TAIL_BYTES, TAIL_LINES = 2048, 80
+
+
+def log_tail(text: str) -> str:
+    """A failed container's termination message under ``FallbackToLogsOnError`` (this kubelet
+    writes no termination-message file): the end of its log, at most 2048 bytes or 80 lines,
+    whichever is smaller, as a kubelet takes it."""
+    lines = text.splitlines(keepends=True)[-TAIL_LINES:]
+    data = "".join(lines).encode()[-TAIL_BYTES:]
+    return data.decode(errors="replace")
 
 
 def _tail(path: Path, size: int = 4096) -> str:

@@ -260,6 +260,17 @@ def test_security_defaults_and_user_override() -> None:
     assert restricted["spec"]["securityContext"]["runAsNonRoot"] is False  # the user's wins
 
 
+def test_a_failed_trainer_says_why_in_its_termination_message_unless_the_template_chose() -> None:
+    """The agent's last log lines reach the job's status.failures through the pod's status,
+    after the pod and its log are gone."""
+    built = builders.build_pod(job(), 1)["spec"]["containers"][0]
+    assert built["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    container = {"name": "trainer", "image": "x", "terminationMessagePolicy": "File"}
+    template = {"spec": {"containers": [container]}}
+    built = builders.build_pod(job(template=template), 0)["spec"]["containers"][0]
+    assert built["terminationMessagePolicy"] == "File"
+
+
 def test_sidecars_are_kept_untouched() -> None:
     sidecar = {"name": "logs", "image": "fluent/bit:3"}
     template = {"spec": {"containers": [{"name": "trainer", "image": "x"}, sidecar]}}
