@@ -272,39 +272,42 @@ class KubeApi:
         await self.create(f"/api/v1/namespaces/{namespace}/services", service)
 
     async def create_network_policy(self, namespace: str, policy: JSON) -> None:
-        try:
-            await self.create(
-                f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies", policy
-            )
-        except ApiError as exc:
-            if exc.status != 403:
-                raise
-            name = policy["metadata"]["name"]
-            raise ApiError(
-                403,
-                exc.reason,
-                f"cannot create NetworkPolicy {namespace}/{name}, which the job asks for "
-                f"(spec.networkPolicy, or the operator's --network-policy): {exc}; grant the "
-                "operator get, create and delete on networking.k8s.io networkpolicies (the Helm "
-                "chart does), or set spec.networkPolicy: false. The job's pods are not created "
-                "until the policy exists",
-            ) from exc
+        await self._create_or_say(
+            namespace,
+            f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
+            policy,
+            "NetworkPolicy",
+            ", which the job asks for (spec.networkPolicy, or the operator's --network-policy)",
+            "grant the operator get, create and delete on networking.k8s.io networkpolicies (the "
+            "Helm chart does), or set spec.networkPolicy: false. The job's pods are not created "
+            "until the policy exists",
+        )
 
     async def create_secret(self, namespace: str, secret: JSON) -> None:
         """The job's store-key Secret. Its data never reaches a log or an error message."""
+        await self._create_or_say(
+            namespace,
+            f"/api/v1/namespaces/{namespace}/secrets",
+            secret,
+            "Secret",
+            ", the job's rendezvous store key",
+            "grant the operator create and get on secrets (core) in this namespace (the Helm "
+            "chart does, with rbac.create: true; with rbac.create: false add them to your own "
+            "Role). The job's pods are not created until the Secret exists",
+        )
+
+    async def _create_or_say(
+        self, namespace: str, path: str, body: JSON, kind: str, what: str, fix: str
+    ) -> None:
+        """:meth:`create`; a 403 says which object the job needs, and how to grant it."""
         try:
-            await self.create(f"/api/v1/namespaces/{namespace}/secrets", secret)
+            await self.create(path, body)
         except ApiError as exc:
             if exc.status != 403:
                 raise
-            name = secret["metadata"]["name"]
+            name = f"{namespace}/{body['metadata']['name']}"
             raise ApiError(
-                403,
-                exc.reason,
-                f"cannot create Secret {namespace}/{name}, the job's rendezvous store key: {exc}; "
-                "grant the operator create and get on secrets (core) in this namespace (the Helm "
-                "chart does, with rbac.create: true; with rbac.create: false add them to your "
-                "own Role). The job's pods are not created until the Secret exists",
+                403, exc.reason, f"cannot create {kind} {name}{what}: {exc}; {fix}"
             ) from exc
 
     async def delete_pod(self, namespace: str, name: str, uid: str, force: bool = False) -> None:

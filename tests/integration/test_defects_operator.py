@@ -268,6 +268,30 @@ def test_a_re_created_job_does_not_adopt_the_pods_of_the_one_before(world: World
 # ---- point 12 ------------------------------------------------------------------------------------
 
 
+def _foreign_object_holds_the_job_until_deleted(
+    world: World, job: str, resource: str, kind: str, mine: dict[str, Any]
+) -> dict[str, Any]:
+    """An object of ``kind`` under the name the job needs, not the job's own: reported, no pod
+    made; once deleted, the job makes its own (returned) and its pods."""
+    name = mine["metadata"]["name"]
+    path = f"/api/v1/namespaces/default/{resource}"
+    assert world.api("POST", path, mine).status_code == 201
+    world.create_job(job)
+    [message, *_] = wait_for(lambda: world.events(job, "ActionFailed"), "an ActionFailed event")
+    assert f"{kind} default/{name} exists and is not DDPJob default/{job}'s" in message
+    assert f"delete or rename that {kind}, or give the job another name" in message
+    assert world.pods(job) == []
+    assert world.api("DELETE", f"{path}/{name}").status_code == 200
+    own = wait_for(
+        lambda: world.control.get_object(f"v1/{resource}", "default", name),
+        f"the job's own {kind}",
+        timeout=40,
+    )
+    assert own["metadata"]["ownerReferences"][0]["name"] == job
+    wait_for(lambda: len(world.pods(job)) == 2, f"{job}'s pods", timeout=30)
+    return own
+
+
 def test_a_service_of_the_jobs_name_that_is_not_its_own_is_reported(world: World) -> None:
     mine = {
         "apiVersion": "v1",
@@ -275,20 +299,8 @@ def test_a_service_of_the_jobs_name_that_is_not_its_own_is_reported(world: World
         "metadata": {"name": "delta", "namespace": "default"},
         "spec": {"selector": {"app": "something-else"}, "ports": [{"port": 80}]},
     }
-    assert world.api("POST", "/api/v1/namespaces/default/services", mine).status_code == 201
-    world.create_job("delta")
-    [message, *_] = wait_for(lambda: world.events("delta", "ActionFailed"), "an ActionFailed event")
-    assert "Service default/delta exists and is not DDPJob default/delta's" in message
-    assert "delete or rename that Service, or give the job another name" in message
-    assert world.pods("delta") == []  # pod 0's name would not resolve
-    assert world.api("DELETE", "/api/v1/namespaces/default/services/delta").status_code == 200
-    service = wait_for(
-        lambda: world.control.get_object("v1/services", "default", "delta"),
-        "the job's own Service",
-        timeout=40,
-    )
-    assert service["metadata"]["ownerReferences"][0]["name"] == "delta"
-    wait_for(lambda: len(world.pods("delta")) == 2, "delta's pods", timeout=30)
+    # No pod while it stands: pod 0's name would not resolve.
+    _foreign_object_holds_the_job_until_deleted(world, "delta", "services", "Service", mine)
 
 
 # ---- agent review, finding 8 -------------------------------------------------------------------
@@ -324,22 +336,9 @@ def test_a_store_key_secret_that_is_not_the_jobs_is_reported(world: World) -> No
         "metadata": {"name": "eta-store-key", "namespace": "default"},
         "data": {"key": "bWluZQ=="},
     }
-    assert world.api("POST", "/api/v1/namespaces/default/secrets", mine).status_code == 201
-    world.create_job("eta")
-    [message, *_] = wait_for(lambda: world.events("eta", "ActionFailed"), "an ActionFailed event")
-    assert "Secret default/eta-store-key exists and is not DDPJob default/eta's" in message
-    assert "delete or rename that Secret, or give the job another name" in message
-    assert world.pods("eta") == []  # never a pod reading someone else's key
-    response = world.api("DELETE", "/api/v1/namespaces/default/secrets/eta-store-key")
-    assert response.status_code == 200
-    secret = wait_for(
-        lambda: world.control.get_object("v1/secrets", "default", "eta-store-key"),
-        "the job's own Secret",
-        timeout=40,
-    )
-    assert secret["metadata"]["ownerReferences"][0]["name"] == "eta"
+    # No pod while it stands: never a pod reading someone else's key.
+    secret = _foreign_object_holds_the_job_until_deleted(world, "eta", "secrets", "Secret", mine)
     assert secret["data"]["key"] != "bWluZQ=="
-    wait_for(lambda: len(world.pods("eta")) == 2, "eta's pods", timeout=30)
 
 
 # ---- point 14 ------------------------------------------------------------------------------------

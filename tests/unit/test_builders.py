@@ -24,30 +24,33 @@ def env_of(pod: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+OWNED_BY_DEMO = {
+    "namespace": "ml",
+    "labels": {
+        "app.kubernetes.io/name": "ddpjob",
+        "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/managed-by": "ddpjob-operator",
+        "ddpjob.io/job-name": "demo",
+    },
+    "ownerReferences": [
+        {
+            "apiVersion": "ddpjob.io/v1alpha1",
+            "kind": "DDPJob",
+            "name": "demo",
+            "uid": "uid-demo",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ],
+}
+"""The metadata every object of the job ``demo`` carries, but its name."""
+
+
 def test_service_is_headless_and_owned() -> None:
     assert builders.build_service(job()) == {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": "demo",
-            "namespace": "ml",
-            "labels": {
-                "app.kubernetes.io/name": "ddpjob",
-                "app.kubernetes.io/instance": "demo",
-                "app.kubernetes.io/managed-by": "ddpjob-operator",
-                "ddpjob.io/job-name": "demo",
-            },
-            "ownerReferences": [
-                {
-                    "apiVersion": "ddpjob.io/v1alpha1",
-                    "kind": "DDPJob",
-                    "name": "demo",
-                    "uid": "uid-demo",
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-        },
+        "metadata": {"name": "demo", **OWNED_BY_DEMO},
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -147,26 +150,7 @@ def test_the_store_key_secret_is_opaque_owned_and_holds_only_the_key() -> None:
     assert builders.build_store_key_secret(job(), key) == {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {
-            "name": "demo-store-key",
-            "namespace": "ml",
-            "labels": {
-                "app.kubernetes.io/name": "ddpjob",
-                "app.kubernetes.io/instance": "demo",
-                "app.kubernetes.io/managed-by": "ddpjob-operator",
-                "ddpjob.io/job-name": "demo",
-            },
-            "ownerReferences": [
-                {
-                    "apiVersion": "ddpjob.io/v1alpha1",
-                    "kind": "DDPJob",
-                    "name": "demo",
-                    "uid": "uid-demo",
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-        },
+        "metadata": {"name": "demo-store-key", **OWNED_BY_DEMO},
         "type": "Opaque",
         "immutable": True,
         "data": {"key": base64.b64encode(key.encode()).decode()},
