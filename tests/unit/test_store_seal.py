@@ -22,6 +22,7 @@ from ddpjob_worker.rendezvous import (
     END_FAILURE,
     END_LEAVE,
     FastRendezvous,
+    _fresh_sync,
     is_jobs_store,
 )
 from ddpjob_worker.seal import KEY_ENV, Seal, SealError
@@ -90,9 +91,7 @@ class Job:
 
 def sync(job: Job) -> None:
     """Read the rendezvous state from the store now (past torch's 1 s cache)."""
-    holder: Any = job.fast._holder
-    holder._last_sync_time = -1
-    job.handler.num_nodes_waiting()
+    _fresh_sync(job.fast._holder)
 
 
 @pytest.fixture
