@@ -198,9 +198,14 @@ KUBE_PY = ROOT / "operator" / "ddpjob_operator" / "kube.py"
 HANDLERS_PY = ROOT / "operator" / "ddpjob_operator" / "handlers.py"
 
 # How the wrappers of KubeApi.request map to HTTP methods.
-_WRAPPERS = {"create": ("POST", "GET {name}"), "_delete": ("DELETE",)}
-"""How the wrappers of KubeApi.request map to calls on their path: ``create`` posts, and reads
-the object of that name when it exists already (to check its owner)."""
+_WRAPPERS: dict[str, tuple[tuple[str, ...], int]] = {
+    "create": (("POST", "GET {name}"), 0),
+    "_create_or_say": (("POST", "GET {name}"), 1),
+    "_delete": (("DELETE",), 0),
+}
+"""How the wrappers of KubeApi.request map to calls on their path (and which argument the path
+is): ``create`` posts, and reads the object of that name when it exists already (to check its
+owner); ``_create_or_say`` is ``create`` with a 403 explained."""
 
 
 def _constants() -> dict[str, str]:
@@ -265,7 +270,8 @@ def api_calls() -> set[tuple[str, str]]:
                     continue  # request() calling itself generically: not a call site
                 methods: tuple[str, ...] = (str(method_node.value),)
             elif attr in _WRAPPERS:
-                methods, path_node = _WRAPPERS[attr], call.args[0]
+                methods, index = _WRAPPERS[attr]
+                path_node = call.args[index]
             else:
                 continue
             if isinstance(path_node, ast.Name) and path_node.id in params:
