@@ -109,6 +109,27 @@ class Run:
         self.out.flush()
         return Path(self.out.name).read_text()
 
+    def diagnosis(self) -> str:
+        """The runner's output, the end of every pod's log, and where each live process of the
+        run is (py-spy): what a hang needs to be understood after the fact."""
+        parts = [self.output()]
+        for name, text in self.logs().items():
+            tail = "\n".join(text.splitlines()[-40:])
+            parts.append(f"--- {name} (last 40 lines)\n{tail}")
+        spy = shutil.which("py-spy", path=str(BIN))
+        for line in leftovers(self.run_dir) if spy else []:
+            pid = line.split(":")[0]
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                dump = subprocess.run(
+                    [spy, "dump", "--pid", pid],
+                    check=False,
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                )
+                parts.append(f"--- py-spy dump of {line}\n{dump.stdout}{dump.stderr}")
+        return "\n".join(parts)
+
     def logs(self) -> dict[str, str]:
         logs = sorted((self.run_dir / "logs").glob("*.log"), key=lambda p: p.stat().st_mtime)
         return {p.name: p.read_text(errors="replace") for p in logs}
@@ -129,17 +150,18 @@ class Run:
                 return
             if self.process.poll() is not None:
                 raise AssertionError(
-                    f"ddpjob run exited ({self.process.returncode}) before {what}:\n{self.output()}"
+                    f"ddpjob run exited ({self.process.returncode}) before {what}:\n"
+                    f"{self.diagnosis()}"
                 )
             time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}:\n{self.output()}")
+        raise AssertionError(f"timed out waiting for {what}:\n{self.diagnosis()}")
 
     def wait(self, timeout: float = 150) -> int:
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(
-                f"ddpjob run did not finish in {timeout}s:\n{self.output()}"
+                f"ddpjob run did not finish in {timeout}s:\n{self.diagnosis()}"
             ) from None
 
     def pod_processes(self, index: int) -> list[psutil.Process]:
