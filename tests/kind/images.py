@@ -293,7 +293,9 @@ def base_key(kind_dir: Path) -> str:
 
 def patch_containerd_config(text: str) -> str:
     """kind's containerd config with ``restrict_oom_score_adj = true``."""
-    patched, count = re.subn(r"(?m)^([ \t]*restrict_oom_score_adj[ \t]*=[ \t]*)false[ \t]*$", r"\1true", text)
+    patched, count = re.subn(
+        r"(?m)^([ \t]*restrict_oom_score_adj[ \t]*=[ \t]*)false[ \t]*$", r"\1true", text
+    )
     if count != 1:
         raise ImageError(
             "base: kind's etc/containerd/config.toml has no `restrict_oom_score_adj = false` "
@@ -374,7 +376,18 @@ def base_image(dockerd: Dockerd, kind_dir: Path, *, quiet: bool = False) -> str:
         if built.returncode != 0:
             raise ImageError(f"base: docker build (STOPSIGNAL): {built.stderr.strip()}")
         dockerd.docker("rmi", raw, check=False)
+        _drop_other_tags(dockerd, ref)
     return ref
+
+
+def _drop_other_tags(dockerd: Dockerd, ref: str) -> None:
+    """Untag the older builds of ``ref``'s repository (their layers go when nothing uses them)."""
+    repository = ref.rsplit(":", 1)[0]
+    listed = dockerd.docker("images", "--format", "{{.Repository}}:{{.Tag}}", repository,
+                            check=False).stdout.split()  # fmt: skip
+    for other in listed:
+        if other != ref:
+            dockerd.docker("rmi", other, check=False)
 
 
 # ---- 3. component images ----------------------------------------------------------------------
@@ -599,17 +612,32 @@ def kubernetes_version(bins: Path) -> str:
     return out.strip()
 
 
-def _files_tar(entries: Sequence[tuple[str, Path | bytes]]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for path, content in entries:
-            data = content if isinstance(content, bytes) else content.read_bytes()
-            info = tarfile.TarInfo(path)
-            info.size = len(data)
-            info.mode = 0o644 if isinstance(content, bytes) else 0o755
-            info.mtime = int(time.time())
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+def _docker_cp(
+    dockerd: Dockerd, container: str, entries: Sequence[tuple[str, Path | bytes]]
+) -> None:
+    """Stream a tar of ``entries`` (path in the container: a binary, 0755, or bytes, 0644,
+    owned by root) into ``docker cp - CONTAINER:/``."""
+    process = subprocess.Popen(
+        ["docker", "cp", "-", f"{container}:/"], stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dockerd.env(),
+    )  # fmt: skip
+    assert process.stdin is not None and process.stderr is not None
+    with contextlib.suppress(BrokenPipeError):
+        with tarfile.open(fileobj=process.stdin, mode="w|", format=tarfile.GNU_FORMAT) as tar:
+            for path, content in entries:
+                info = tarfile.TarInfo(path)
+                info.mtime = int(time.time())
+                if isinstance(content, bytes):
+                    info.size, info.mode = len(content), 0o644
+                    tar.addfile(info, io.BytesIO(content))
+                else:
+                    info.size, info.mode = content.stat().st_size, 0o755
+                    with content.open("rb") as handle:
+                        tar.addfile(info, handle)
+        process.stdin.close()
+    err = process.stderr.read().decode(errors="replace").strip()
+    if process.wait() != 0:
+        raise ImageError(f"node: docker cp into the build container: {err}")
 
 
 def cri_base_spec(spec: dict[str, object]) -> dict[str, object]:
@@ -650,11 +678,10 @@ def bake(dockerd: Dockerd, base: str, bins: Path, comps: Sequence[Component], ve
                 *node_files(bins),
                 ("kind/version", version.encode()),
             ]
-            dockerd.docker("cp", "-", f"{container}:/", input_bytes=_files_tar(files))
+            _docker_cp(dockerd, container, files)
             spec = json.loads(dockerd.docker("exec", container, "ctr", "oci", "spec").stdout)
             cri = json.dumps(cri_base_spec(spec), indent=2).encode()
-            dockerd.docker("cp", "-", f"{container}:/",
-                           input_bytes=_files_tar([("etc/containerd/cri-base.json", cri)]))  # fmt: skip
+            _docker_cp(dockerd, container, [("etc/containerd/cri-base.json", cri)])
         with step("node: containerd + ctr import of every component", quiet):
             dockerd.docker("exec", container, "sh", "-c",
                            "nohup containerd >/tmp/containerd.log 2>&1 &")  # fmt: skip
@@ -670,9 +697,15 @@ def bake(dockerd: Dockerd, base: str, bins: Path, comps: Sequence[Component], ve
             if absent:
                 raise ImageError(f"node: not in the node's containerd after import: {absent}")
             dockerd.docker("exec", container, "pkill", "containerd")
-            _wait(lambda: dockerd.docker("exec", container, "pgrep", "-x", "containerd",
-                                         check=False).returncode != 0,
-                  30, "node: containerd did not stop in the build container")  # fmt: skip
+            # `sleep` is PID 1 here and reaps nobody: a stopped containerd stays a zombie.
+            live = "for p in $(pgrep -x containerd); do grep -q '^State:.*Z' /proc/$p/status || exit 0; done; exit 1"
+            _wait(
+                lambda: (
+                    dockerd.docker("exec", container, "sh", "-c", live, check=False).returncode != 0
+                ),
+                30,
+                "node: containerd did not stop in the build container",
+            )
             dockerd.docker("exec", container, "rm", "-f", "/tmp/containerd.log")
         with step(f"node: docker commit {ref}", quiet):
             old = dockerd.docker("image", "inspect", "--format", "{{.Id}}", ref, check=False)
@@ -692,7 +725,8 @@ def _ctr_import(dockerd: Dockerd, container: str, refs: Sequence[str]) -> None:
          "--digests", "-"],
         stdin=saver.stdout, capture_output=True, text=True, env=dockerd.env(), check=False,
     )  # fmt: skip
-    assert saver.stderr is not None
+    assert saver.stderr is not None and saver.stdout is not None
+    saver.stdout.close()
     saved_err = saver.stderr.read().decode(errors="replace")
     saver.wait()
     if saver.returncode != 0 or importer.returncode != 0:
