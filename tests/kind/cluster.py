@@ -52,16 +52,24 @@ NETWORK = "kind"
 POD_SUBNET = "10.244.0.0/16"
 SERVICE_SUBNET = "10.96.0.0/16"
 CNI_CONFLIST = "/etc/cni/net.d/10-ddpjob.conflist"
+MODULES_DIR = Path("/lib/modules")
 
 
 class ClusterError(RuntimeError):
     """The cluster could not be made or reached; the message names the step and where to look."""
 
 
-def kind_config(nodes: int) -> dict[str, Any]:
-    """The kind ``Cluster`` config for ``nodes`` nodes (one of them the control plane)."""
+def kind_config(nodes: int, mounts: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The kind ``Cluster`` config for ``nodes`` nodes (one of them the control plane).
+
+    ``mounts`` maps a directory of this machine to a path in every node: a ``hostPath``
+    volume at that path is then one directory that every node shares (the e2e suite keeps the
+    example's checkpoints there, so a pod replaced on another node resumes from them).
+    """
     if nodes < 1:
         raise ValueError(f"a kind cluster needs at least 1 node, not {nodes}")
+    extra = [{"hostPath": host, "containerPath": path} for host, path in (mounts or {}).items()]
+    node: dict[str, Any] = {"extraMounts": extra} if extra else {}
     return {
         "kind": "Cluster",
         "apiVersion": "kind.x-k8s.io/v1alpha4",
@@ -75,7 +83,8 @@ def kind_config(nodes: int) -> dict[str, Any]:
         "kubeadmConfigPatches": [
             "kind: KubeletConfiguration\nfailCgroupV1: false\n",
         ],
-        "nodes": [{"role": "control-plane"}] + [{"role": "worker"}] * (nodes - 1),
+        "nodes": [{"role": "control-plane", **node}]
+        + [{"role": "worker", **node} for _ in range(nodes - 1)],
     }
 
 
@@ -217,6 +226,7 @@ class KindCluster:
         netns: Path | str,
         kind: str,
         kubectl: str,
+        mounts: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
         self.image = image
@@ -226,10 +236,14 @@ class KindCluster:
         self.netns = Path(netns)
         self.kind = kind
         self.kubectl_bin = kubectl
+        self.mounts = dict(mounts or {})
         self.kubeconfig = workdir / "kubeconfig"
         self._inner_kubeconfig = workdir / "kubeconfig.inner"
         self._forwarder: Forwarder | None = None
         self.created = False
+        # kind mounts /lib/modules into its nodes (docker run -v), which makes an empty one on a
+        # machine that has none; delete() takes away what create() made.
+        self._made_modules_dir = False
 
     # -- commands --
 
@@ -276,9 +290,10 @@ class KindCluster:
         CoreDNS to be Ready. A failure leaves the nodes for :meth:`diagnose` (``--retain``)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "kind-config.yaml"
-        config.write_text(yaml.safe_dump(kind_config(self.nodes), sort_keys=False))
+        config.write_text(yaml.safe_dump(kind_config(self.nodes, self.mounts), sort_keys=False))
         started = time.monotonic()
         self.created = True
+        self._made_modules_dir = not MODULES_DIR.exists()
         self._run(
             [
                 self.kind, "create", "cluster", "--name", self.name, "--image", self.image,
@@ -369,6 +384,10 @@ class KindCluster:
             self._run([self.kind, "delete", "cluster", "--name", self.name], timeout=300,
                       check=False)  # fmt: skip
             self.created = False
+        if self._made_modules_dir:
+            with contextlib.suppress(OSError):  # not empty: someone else's now
+                MODULES_DIR.rmdir()
+            self._made_modules_dir = False
 
     def diagnose(self, target: Path) -> None:
         """``kind export logs`` into ``target`` (kubelet, containerd and pod logs per node)."""
@@ -376,9 +395,13 @@ class KindCluster:
         self._run([self.kind, "export", "logs", str(target), "--name", self.name],
                   timeout=300, check=False)  # fmt: skip
 
-    def load(self, image: str) -> None:
-        """Put a local image of the daemon into every node (``kind load docker-image``)."""
-        self._run([self.kind, "load", "docker-image", image, "--name", self.name], timeout=1200)
+    def load(self, image: str, nodes: Sequence[str] = ()) -> None:
+        """Put a local image of the daemon into ``nodes`` (all by default): ``kind load
+        docker-image``."""
+        only = ["--nodes", ",".join(nodes)] if nodes else []
+        self._run(
+            [self.kind, "load", "docker-image", image, "--name", self.name, *only], timeout=1800
+        )
 
     # -- faults on the nodes --
 

@@ -26,6 +26,15 @@ def test_kind_config_has_no_default_cni_and_one_control_plane() -> None:
         kind_config(0)
 
 
+def test_kind_config_mounts_a_shared_directory_into_every_node() -> None:
+    config = kind_config(2, {"/srv/ckpt": "/var/lib/ckpt"})
+    mount = [{"hostPath": "/srv/ckpt", "containerPath": "/var/lib/ckpt"}]
+    assert config["nodes"] == [
+        {"role": "control-plane", "extraMounts": mount},
+        {"role": "worker", "extraMounts": mount},
+    ]
+
+
 def test_cni_conflist_gives_the_node_its_range() -> None:
     conflist = cni_conflist("10.244.1.0/24")
     ptp, portmap = conflist["plugins"]
