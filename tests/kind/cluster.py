@@ -304,7 +304,7 @@ class KindCluster:
         )  # fmt: skip
         log.info("kind create cluster: %.0f s", time.monotonic() - started)
         self._reach()
-        self._network(deadline=started + timeout)
+        self.network(deadline=started + timeout)
         self.wait_ready(deadline=started + timeout)
 
     def _reach(self) -> None:
@@ -343,7 +343,10 @@ class KindCluster:
                 )
             time.sleep(1)
 
-    def _network(self, deadline: float) -> None:
+    def network(self, deadline: float | None = None) -> None:
+        """Write every node's CNI config and its routes to the other nodes' pod ranges (again:
+        a node that restarted or came back on the network may have another address)."""
+        deadline = time.monotonic() + 120 if deadline is None else deadline
         cidrs = self._pod_cidrs(deadline)
         ranges = {node: (self.address(node), cidr) for node, cidr in cidrs.items()}
         for node, node_routes in routes(ranges).items():
@@ -425,7 +428,13 @@ class KindCluster:
         """Heal a partition. Docker may give the node another address on the network, so
         every node's routes to the pod ranges are written again."""
         self.docker("network", "connect", NETWORK, node)
-        self._network(deadline=time.monotonic() + 60)
+        self.network()
+
+    def restart(self, node: str) -> None:
+        """Bring a killed node back (``docker start``): systemd boots it again, its kubelet
+        rejoins, and every node's routes are written again."""
+        self.docker("start", node)
+        self.network()
 
 
 def _ready(obj: Mapping[str, Any]) -> bool:
