@@ -18,6 +18,7 @@ prints parseable, flushed lines that the tests and the benchmark read::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -234,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             marker.touch()
             say(f"abort-at-exit pod={pod}")
             os.abort()
+    # DDP first, then the group. DDP's Reducer holds the process group, and the Reducer's
+    # binding destroys it with the GIL held, while a gloo thread may still need the GIL to free
+    # the last step's work: at exit, both wait for each other forever (the worker printed
+    # "done" and never exits; seen with torch 2.13 under load). With DDP gone first, the group's
+    # last reference is the ProcessGroup's own, whose destructor lets the GIL go.
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

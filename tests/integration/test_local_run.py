@@ -111,17 +111,18 @@ class Run:
 
     def diagnosis(self) -> str:
         """The runner's output, the end of every pod's log, and where each live process of the
-        run is (py-spy): what a hang needs to be understood after the fact."""
+        run is (py-spy, native frames too: a hang in torch's C++ shows only there): what a hang
+        needs to be understood after the fact."""
         parts = [self.output()]
         for name, text in self.logs().items():
             tail = "\n".join(text.splitlines()[-40:])
             parts.append(f"--- {name} (last 40 lines)\n{tail}")
-        spy = shutil.which("py-spy", path=str(BIN))
+        spy = shutil.which("py-spy", path=str(BIN)) or ""
         for line in leftovers(self.run_dir) if spy else []:
             pid = line.split(":")[0]
             with contextlib.suppress(subprocess.SubprocessError, OSError):
                 dump = subprocess.run(
-                    [spy, "dump", "--pid", pid],
+                    [spy, "dump", "--native", "--pid", pid],
                     check=False,
                     capture_output=True,
                     text=True,
@@ -537,4 +538,7 @@ def test_two_jobs_run_side_by_side(tmp_path: Path) -> None:
         for run in runs:
             if run.process.poll() is None:
                 os.killpg(run.process.pid, signal.SIGKILL)
+            for line in leftovers(run.run_dir):  # the pods run in sessions of their own
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(int(line.split(":")[0])).kill()
             run.out.close()
