@@ -269,6 +269,37 @@ def _container_status(statuses: object, name: str) -> Mapping[str, Any]:
     return {}
 
 
+def _others_may_run(spec: Mapping[str, Any], status: Mapping[str, Any], trainer: str) -> bool:
+    """A container besides the trainer may still run: a regular one, or a native sidecar (an
+    init container with ``restartPolicy: Always``), whose status says running or is missing.
+
+    A real kubelet reports the trainer terminated before it gives the pod a terminal phase: it
+    first stops every container and tears the sandbox down (seen on kind: about a second with
+    phase Running and no container left). Such a pod holds nothing any more; only a container
+    that still runs does.
+    """
+    others = [
+        (c.get("name"), "containerStatuses")
+        for c in spec.get("containers") or []
+        if isinstance(c, Mapping) and c.get("name") != trainer
+    ] + [
+        (c.get("name"), "initContainerStatuses")
+        for c in spec.get("initContainers") or []
+        if isinstance(c, Mapping) and c.get("restartPolicy") == "Always"
+    ]
+    for name, field in others:
+        found = _container_status(status.get(field), str(name))
+        if not found or "running" in (found.get("state") or {}):
+            return True
+    listed = [
+        c
+        for field in ("containerStatuses", "initContainerStatuses")
+        for c in status.get(field) or []
+        if isinstance(c, Mapping) and c.get("name") != trainer
+    ]
+    return any("running" in (c.get("state") or {}) for c in listed)
+
+
 def _terminated(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
     state = status.get("state") or {}
     if "terminated" in state:
@@ -363,7 +394,9 @@ def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
         ip=status.get("podIP") or None,
         waiting_reason=waiting_reason,
         waiting_message=waiting_message[:500],
-        sidecars_running=phase.terminated and not k8s_phase.terminated,
+        sidecars_running=phase.terminated
+        and not k8s_phase.terminated
+        and _others_may_run(spec, status, str(trainer_name)),
         owner_uid=str(controller.get("uid") or "") if controller is not None else "",
         started=_started(trainer),
         started_at=_started_at(trainer),

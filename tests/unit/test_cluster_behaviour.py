@@ -312,6 +312,23 @@ def test_trainer_done_while_a_sidecar_runs_counts_as_finished() -> None:
     assert {a.why for a in deletes} == {DeleteWhy.CLEANUP} and len(deletes) == 2
 
 
+def test_a_finished_pod_whose_kubelet_is_still_tearing_down_is_kept() -> None:
+    """A real kubelet reports the trainer terminated (exit 0) a moment before the pod's phase
+    goes terminal: it stops every container and the sandbox first (seen on kind). With no other
+    container running, the pod holds nothing: cleanPodPolicy Running keeps it, and its log.
+    (Before, it was taken for a pod with a sidecar and deleted.)"""
+    world = cluster()
+    for i in (0, 1):
+        world.start(name(i))
+    world.succeed(name(0))
+    world.succeed(name(1))
+    for i in (0, 1):
+        world.pods[name(i)]["status"]["phase"] = "Running"  # not written yet by the kubelet
+    decision = world.operator_pass()
+    assert decision.status.phase is api.JobPhase.SUCCEEDED
+    assert [a for a in decision.actions if isinstance(a, DeletePod)] == []
+
+
 def test_trainer_failed_while_a_sidecar_runs_is_replaced() -> None:
     world = cluster()
     world.start(name(1), sidecar=True)
