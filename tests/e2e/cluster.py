@@ -47,28 +47,75 @@ def resolve_tool(name: str) -> str:
     return str(tools.tool(name))
 
 
-def missing_requirements() -> str | None:
-    """Why the kind tests cannot run here, or None. Names every missing piece at once."""
-    problems: list[str] = []
-    if shutil.which("kind") is None:
-        problems.append(
-            "kind is not on PATH (https://kind.sigs.k8s.io/docs/user/quick-start/#installation)"
-        )
+KIND_ENV = "DDPJOB_KIND"
+"""Which kind the ``[kind]`` tests use. ``upstream``: the ``kind`` on PATH with a running Docker
+and kind's own node image (a laptop with Docker Hub). ``offline``: :mod:`tests.kind`, where
+the kind CLI, the node image and every image in it are built here from Go modules and Debian
+packages, in a Docker daemon the harness starts in a network namespace of its own (this
+machine, CI, air-gapped users; root; the first build takes about half an hour). Unset:
+upstream where ``kind`` is on PATH and Docker answers; else offline when the suite is required
+(``DDPJOB_E2E=1``: ``make e2e``), and a skip with the reason otherwise, so that a plain
+``make test`` never starts that build unasked."""
+
+OFFLINE_TOOLS = {
+    "go": "Go 1.26 or newer (https://go.dev/dl/)",
+    "dockerd": "apt-get install docker.io",
+    "docker": "apt-get install docker.io",
+    "debootstrap": "apt-get install debootstrap",
+    "gcc": "apt-get install gcc",
+    "nsenter": "apt-get install util-linux",
+    "ip": "apt-get install iproute2",
+}
+SECCOMP_HEADER = Path("/usr/include/seccomp.h")
+
+
+def kind_mode() -> str:
+    """``upstream`` or ``offline`` (see :data:`KIND_ENV`)."""
+    chosen = os.environ.get(KIND_ENV, "")
+    if chosen in ("upstream", "offline"):
+        return chosen
+    if chosen:
+        raise ValueError(f"{KIND_ENV}={chosen!r}: use upstream or offline (or leave it unset)")
+    if shutil.which("kind") and _docker_problem() is None:
+        return "upstream"
+    return "offline" if required() else "upstream"
+
+
+def _docker_problem() -> str | None:
     if shutil.which("docker") is None:
-        problems.append("docker is not on PATH")
+        return "docker is not on PATH"
+    try:
+        info = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"],
+            capture_output=True, text=True, check=False, timeout=60,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "docker info did not answer within 60 s"
+    if info.returncode != 0:
+        lines = (info.stderr or info.stdout).strip().splitlines()
+        return f"docker info failed: {lines[-1] if lines else f'exit {info.returncode}'}"
+    return None
+
+
+def missing_requirements(mode: str = "upstream") -> str | None:
+    """Why the kind tests cannot run here in ``mode``, or None. Names every missing piece."""
+    problems: list[str] = []
+    if mode == "offline":
+        if os.geteuid() != 0:
+            problems.append("the offline kind runs its own Docker daemon and needs root")
+        for tool, fix in OFFLINE_TOOLS.items():
+            if shutil.which(tool) is None:
+                problems.append(f"{tool} is not on PATH ({fix})")
+        if not SECCOMP_HEADER.exists():
+            problems.append(f"no {SECCOMP_HEADER} for runc's build (apt-get install libseccomp-dev)")
     else:
-        try:
-            info = subprocess.run(
-                ["docker", "info", "--format", "{{.ServerVersion}}"],
-                capture_output=True, text=True, check=False, timeout=60,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired:
-            problems.append("docker info did not answer within 60 s")
-        else:
-            if info.returncode != 0:
-                lines = (info.stderr or info.stdout).strip().splitlines()
-                last = lines[-1] if lines else f"exit {info.returncode}"
-                problems.append(f"docker info failed: {last}")
+        if shutil.which("kind") is None:
+            problems.append(
+                "kind is not on PATH (https://kind.sigs.k8s.io/docs/user/quick-start/#installation)"
+            )
+        docker = _docker_problem()
+        if docker is not None:
+            problems.append(docker)
     for name in ("kubectl", "helm"):
         try:
             resolve_tool(name)
@@ -76,10 +123,16 @@ def missing_requirements() -> str | None:
             problems.append(f"no {name} on PATH and none in the dev extra ({exc})")
     if not problems:
         return None
+    what = (
+        "the offline kind (tests/kind: built here, its own Docker daemon)"
+        if mode == "offline"
+        else "kind on PATH and a running Docker daemon"
+    )
     return (
-        "needs kind on PATH and a running Docker daemon: "
+        f"needs {what}: "
         + "; ".join(problems)
-        + f" (make e2e sets {REQUIRED_ENV}=1, which turns this skip into a failure)"
+        + f" ({REQUIRED_ENV}=1, as make e2e sets it, turns this skip into a failure;"
+        f" {KIND_ENV}=upstream|offline picks the kind)"
     )
 
 

@@ -46,12 +46,14 @@ Environment:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -62,11 +64,15 @@ from tests.e2e.cluster import (
     Installed,
     Kube,
     disabled,
+    kind_mode,
     missing_requirements,
     required,
     resolve_tool,
     run,
 )
+from tests.kind import docker, gobuild
+from tests.kind.__main__ import build_all
+from tests.kind.cluster import KindCluster
 from tests.kube.controlplane import ControlPlane, free_port
 
 DEFAULT_CLUSTER = "ddpjob-e2e"
@@ -122,23 +128,30 @@ def pytest_runtest_makereport(
 
 
 @pytest.fixture(scope="session")
-def e2e_requirements() -> None:
+def e2e_requirements() -> str:
+    """The kind to use (:func:`tests.e2e.cluster.kind_mode`), once its requirements are met."""
     if disabled():
         pytest.skip("DDPJOB_E2E=0: the kind e2e suite is turned off (run it with make e2e)")
-    reason = missing_requirements()
+    try:
+        mode = kind_mode()
+    except ValueError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    reason = missing_requirements(mode)
     if reason is None:
-        return
+        return mode
     if required():
         pytest.fail(reason, pytrace=False)
     pytest.skip(reason)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _existing_clusters() -> list[str]:
     return run(["kind", "get", "clusters"]).stdout.split()
 
 
-def dump_diagnostics(kube: Kube, target: Path) -> None:
+def dump_diagnostics(backend: KindBackend, target: Path) -> None:
     """Everything needed to understand a failure, written before the cluster goes away."""
+    kube = backend.kube
     target.mkdir(parents=True, exist_ok=True)
     every = ["--all-namespaces"]
     commands = {
@@ -162,13 +175,62 @@ def dump_diagnostics(kube: Kube, target: Path) -> None:
             "logs", "-n", TEST_NAMESPACE, pod, "--all-containers", check=False, timeout=60
         )
         (target / f"pod-{pod}.log").write_text(result.stdout + result.stderr)
-    run(["kind", "export", "logs", str(target / "kind"), "--name", kube.cluster], check=False,
-        timeout=300)  # fmt: skip
+    backend.export_logs(target / "kind")
+
+
+@dataclasses.dataclass
+class KindBackend:
+    """How the suite drives its kind cluster: the user's kind (``upstream``) or the one built
+    here (``offline``, :mod:`tests.kind`)."""
+
+    kube: Kube
+    offline: KindCluster | None = None
+    dockerd: docker.Dockerd | None = None
+
+    def load(self, image: str, nodes: Sequence[str] = ()) -> None:
+        if self.offline is not None:
+            self.offline.load(image, nodes)
+        else:
+            load_image(image, self.kube.cluster)
+
+    def export_logs(self, target: Path) -> None:
+        if self.offline is not None:
+            self.offline.diagnose(target)
+        else:
+            run(["kind", "export", "logs", str(target), "--name", self.kube.cluster],
+                check=False, timeout=300)  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        """The environment of ``docker`` commands against the cluster's daemon."""
+        return self.dockerd.env() if self.dockerd is not None else dict(os.environ)
+
+    def workers(self) -> list[str]:
+        """The nodes that run the job's pods: the workers, if the cluster has any."""
+        if self.offline is None:
+            return []
+        return [n for n in self.offline.node_names() if not n.endswith("-control-plane")]
+
+
+OFFLINE_NODES = 3
+"""The offline cluster: the control plane (which runs the operator) and two workers (which run
+the jobs), so a worker can be killed, paused or cut off while the API and the operator live."""
+
+CKPT_HOST_PATH = "/var/lib/ddpjob-example-ckpt"
+"""examples/kind-cpu.yaml's hostPath for checkpoints; one directory of this machine is mounted
+there in every node of the offline cluster, so every node sees the same checkpoints."""
 
 
 @pytest.fixture(scope="session")
-def kind_cluster(e2e_requirements: None, request: pytest.FixtureRequest) -> Iterator[Kube]:
+def kind_cluster(kind_backend: KindBackend) -> Kube:
+    return kind_backend.kube
+
+
+@pytest.fixture(scope="session")
+def kind_backend(e2e_requirements: str, request: pytest.FixtureRequest) -> Iterator[KindBackend]:
     """A kind cluster, created for the session (or reused on request), deleted at the end."""
+    if e2e_requirements == "offline":
+        yield from _offline_backend(request)
+        return
     legacy = os.environ.get("DDPJOB_KIND_CLUSTER")
     name = os.environ.get("DDPJOB_E2E_CLUSTER") or legacy or DEFAULT_CLUSTER
     reuse = _flag("DDPJOB_E2E_REUSE") or bool(legacy)
@@ -192,24 +254,76 @@ def kind_cluster(e2e_requirements: None, request: pytest.FixtureRequest) -> Iter
         run([*create, "--wait", "300s"], timeout=1200)
     else:
         kubeconfig.write_text(run(["kind", "get", "kubeconfig", "--name", name]).stdout)
-    kube = Kube(kubeconfig, resolve_tool("kubectl"), resolve_tool("helm"), cluster=name)
+    backend = KindBackend(
+        Kube(kubeconfig, resolve_tool("kubectl"), resolve_tool("helm"), cluster=name)
+    )
     try:
-        version = kube.kubectl("version", "-o", "json", check=False)
-        if version.returncode == 0:
-            server = json.loads(version.stdout).get("serverVersion", {}).get("gitVersion")
-            print(f"kind cluster {name}: Kubernetes {server}")
-        yield kube
+        _say_version(backend.kube)
+        yield backend
     finally:
-        if request.session.stash.get(FAILED, False):
-            target = artifacts_dir() / "diagnostics"
-            dump_diagnostics(kube, target)
-            print(f"e2e diagnostics in {target}")
+        _diagnose_if_failed(backend, request)
         if created and not _flag("KEEP_CLUSTER"):
             delete = ["kind", "delete", "cluster", "--name", name, "--kubeconfig", str(kubeconfig)]
             run(delete, check=False, timeout=600)
         elif created:
             print(f"KEEP_CLUSTER: kind cluster {name} kept; kubeconfig: kind get kubeconfig "
                   f"--name {name}")  # fmt: skip
+
+
+def _offline_backend(request: pytest.FixtureRequest) -> Iterator[KindBackend]:
+    """The kind built here (tests/kind) in the harness's own Docker daemon, with 3 nodes."""
+    name = os.environ.get("DDPJOB_E2E_CLUSTER") or DEFAULT_CLUSTER
+    workdir = Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
+    shared = workdir / "ckpt"
+    shared.mkdir()
+    dockerd = docker.Dockerd()
+    dockerd.start()
+    cluster: KindCluster | None = None
+    try:
+        image = build_all(dockerd)
+        cluster = KindCluster(
+            name, image=image, nodes=OFFLINE_NODES, workdir=workdir,
+            docker_env=dockerd.env(), netns=dockerd.netns,
+            kind=str(gobuild.bin_dir() / "kind"), kubectl=resolve_tool("kubectl"),
+            mounts={str(shared): CKPT_HOST_PATH},
+        )  # fmt: skip
+        if cluster.exists():
+            pytest.fail(
+                f"a kind cluster named {name!r} already exists in the harness's Docker daemon: "
+                f"delete it (python -m tests.kind.docker exec -- kind delete cluster --name "
+                f"{name}) or stop the daemon (python -m tests.kind.docker stop)",
+                pytrace=False,
+            )
+        cluster.create()
+        backend = KindBackend(
+            Kube(cluster.kubeconfig, resolve_tool("kubectl"), resolve_tool("helm"), cluster=name),
+            offline=cluster,
+            dockerd=dockerd,
+        )
+        _say_version(backend.kube)
+        try:
+            yield backend
+        finally:
+            _diagnose_if_failed(backend, request)
+    finally:
+        if cluster is not None:
+            cluster.delete()
+        dockerd.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _say_version(kube: Kube) -> None:
+    version = kube.kubectl("version", "-o", "json", check=False)
+    if version.returncode == 0:
+        server = json.loads(version.stdout).get("serverVersion", {}).get("gitVersion")
+        print(f"kind cluster {kube.cluster}: Kubernetes {server}")
+
+
+def _diagnose_if_failed(backend: KindBackend, request: pytest.FixtureRequest) -> None:
+    if request.session.stash.get(FAILED, False):
+        target = artifacts_dir() / "diagnostics"
+        dump_diagnostics(backend, target)
+        print(f"e2e diagnostics in {target}")
 
 
 # ---- images and the operator ---------------------------------------------------------------
@@ -242,35 +356,65 @@ def load_image(image: str, cluster: str) -> None:
         run(["kind", "load", "image-archive", archive, "--name", cluster], timeout=900)
 
 
+def build_offline_images(tag: str, backend: KindBackend, logs: Path) -> None:
+    """``make images-offline`` into the cluster's own daemon: no registry, no network in the
+    builds. torch is PyPI's where the CPU index cannot be reached (``TORCH_BUILD=any``)."""
+    log = logs / "images-offline.log"
+    env = {**backend.env(), "TAG": tag, "TORCH_BUILD": os.environ.get("TORCH_BUILD", "any")}
+    print(f"$ TAG={tag} scripts/images-offline.sh  (log: {log})")
+    with log.open("w") as out:
+        result = subprocess.run(
+            [str(ROOT / "scripts" / "images-offline.sh")], cwd=ROOT, env=env, stdout=out,
+            stderr=subprocess.STDOUT, check=False, timeout=3600,
+        )  # fmt: skip
+    if result.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        raise AssertionError(f"scripts/images-offline.sh exited {result.returncode}:\n{tail}")
+
+
 @pytest.fixture(scope="session")
-def kind_install(kind_cluster: Kube) -> Installed:
+def kind_install(kind_backend: KindBackend) -> Installed:
     """The local images in the kind cluster and the chart installed, serving ``ddpjob-e2e``."""
+    kind_cluster = kind_backend.kube
     tag = os.environ.get("DDPJOB_E2E_TAG", "e2e")
     operator_image = f"{OPERATOR_REPOSITORY}:{tag}"
     worker_image = f"{WORKER_REPOSITORY}:{tag}"
     logs = artifacts_dir()
     if os.environ.get("DDPJOB_E2E_BUILD", "1") != "0":
-        build_image("operator", operator_image, logs)
-        build_image("worker-cpu", worker_image, logs)
+        if kind_backend.offline is not None:
+            build_offline_images(tag, kind_backend, logs)
+        else:
+            build_image("operator", operator_image, logs)
+            build_image("worker-cpu", worker_image, logs)
     else:
         for image in (operator_image, worker_image):
-            found = run(["docker", "image", "inspect", image], check=False)
+            found = run(["docker", "image", "inspect", image], env=kind_backend.env(),
+                        check=False)  # fmt: skip
             assert found.returncode == 0, (
                 f"DDPJOB_E2E_BUILD=0 but there is no image {image}: build it (docker build "
                 f"--target ... -t {image} ., or TAG={tag} make images-offline)"
             )
-    for image in (operator_image, worker_image):
-        load_image(image, kind_cluster.cluster)
+    workers = kind_backend.workers()
+    control_plane = [f"{kind_cluster.cluster}-control-plane"] if workers else []
+    kind_backend.load(operator_image, control_plane)
+    kind_backend.load(worker_image, workers)
 
     # The chart's watchNamespaces must exist before the install (a Role goes into each).
     namespace = kind_cluster.kubectl(
         "create", "namespace", TEST_NAMESPACE, "--dry-run=client", "-o", "yaml"
     ).stdout
     kind_cluster.kubectl("apply", "-f", "-", stdin=namespace)
-    values = {
+    values: dict[str, object] = {
         "image": {"repository": OPERATOR_REPOSITORY, "tag": tag, "pullPolicy": "Never"},
         "watchNamespaces": [TEST_NAMESPACE],
     }
+    if control_plane:
+        # The operator on the control plane's node: faults on the workers leave it running.
+        values["nodeSelector"] = {"node-role.kubernetes.io/control-plane": ""}
+        values["tolerations"] = [
+            {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists",
+             "effect": "NoSchedule"},
+        ]  # fmt: skip
     values_file = logs / "helm-values.json"
     values_file.write_text(json.dumps(values))
     kind_cluster.helm(
