@@ -211,9 +211,10 @@ class KindBackend:
         return [n for n in self.offline.node_names() if not n.endswith("-control-plane")]
 
 
-OFFLINE_NODES = 3
-"""The offline cluster: the control plane (which runs the operator) and two workers (which run
-the jobs), so a worker can be killed, paused or cut off while the API and the operator live."""
+OFFLINE_NODES = 4
+"""The offline cluster: the control plane (which runs the operator) and three workers (which run
+the jobs), so a worker can be killed, paused or cut off while the API and the operator live,
+and a job of three pods, one per worker, keeps a majority of two."""
 
 CKPT_HOST_PATH = "/var/lib/ddpjob-example-ckpt"
 """examples/kind-cpu.yaml's hostPath for checkpoints; one directory of this machine is mounted
