@@ -286,7 +286,7 @@ def _offline_backend(request: pytest.FixtureRequest) -> Iterator[KindBackend]:
             name, image=image, nodes=OFFLINE_NODES, workdir=workdir,
             docker_env=dockerd.env(), netns=dockerd.netns,
             kind=str(gobuild.bin_dir() / "kind"), kubectl=resolve_tool("kubectl"),
-            mounts={str(shared): CKPT_HOST_PATH},
+            mounts={str(shared): CKPT_HOST_PATH}, marker_dir=dockerd.run_dir,
         )  # fmt: skip
         if cluster.exists():
             pytest.fail(

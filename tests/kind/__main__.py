@@ -59,6 +59,7 @@ def up(nodes: int, name: str, workdir: Path | None, keep: bool) -> int:
             netns=dockerd.netns,
             kind=str(gobuild.bin_dir() / "kind"),
             kubectl=str(tools.tool("kubectl")),
+            marker_dir=dockerd.run_dir,
         )
         try:
             cluster.create()

@@ -43,6 +43,7 @@ from typing import Any
 
 import yaml
 
+from tests.kind.docker import MADE_MODULES_MARKER
 from tests.kube import network
 
 log = logging.getLogger("tests.kind.cluster")
@@ -227,6 +228,7 @@ class KindCluster:
         kind: str,
         kubectl: str,
         mounts: Mapping[str, str] | None = None,
+        marker_dir: Path | None = None,
     ) -> None:
         self.name = name
         self.image = image
@@ -237,6 +239,9 @@ class KindCluster:
         self.kind = kind
         self.kubectl_bin = kubectl
         self.mounts = dict(mounts or {})
+        self.marker_dir = marker_dir
+        """The Docker daemon's run directory: a marker there tells its teardown (or its
+        reaper, when this process dies first) to remove the /lib/modules that kind made."""
         self.kubeconfig = workdir / "kubeconfig"
         self._inner_kubeconfig = workdir / "kubeconfig.inner"
         self._forwarder: Forwarder | None = None
@@ -294,6 +299,8 @@ class KindCluster:
         started = time.monotonic()
         self.created = True
         self._made_modules_dir = not MODULES_DIR.exists()
+        if self._made_modules_dir and self.marker_dir is not None:
+            (self.marker_dir / MADE_MODULES_MARKER).touch()
         self._run(
             [
                 self.kind, "create", "cluster", "--name", self.name, "--image", self.image,

@@ -46,6 +46,9 @@ RUN_BASE = Path("/run/ddpjob-kind")
 NETNS_DIR = Path("/run/netns")
 CAPFILTER = Path(__file__).resolve().parent / "runc_capfilter.py"
 SYSTEM_CONTAINERD = Path("/run/containerd/containerd.sock")
+MADE_MODULES_MARKER = "made-lib-modules"
+"""A file in the daemon's run directory: a kind cluster made /lib/modules, which the
+teardown removes (if still empty) when the cluster's own delete did not run."""
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 40.0
 
@@ -235,6 +238,8 @@ class Dockerd:
                 self._launch()
                 self.started_here = True
                 (self.run_dir / "owner").write_text("keep" if keep else str(os.getpid()))
+                if not keep:
+                    self._spawn_reaper()
             users = (self.run_dir / "users.lock").open("w")
             fcntl.flock(users, fcntl.LOCK_SH)
             self._users = users
@@ -248,6 +253,34 @@ class Dockerd:
                  f"({self.host}, netns {self.netns}, data root {self.data_root})",
                  self.quiet)  # fmt: skip
         return self
+
+    def _spawn_reaper(self) -> None:
+        """A process of its own that tears the daemon down if we die without :meth:`stop`
+        (SIGKILL, a crash): the starter's death leaves no container, process, mount or
+        namespace behind. It exits quietly once we stop the daemon ourselves."""
+        log = self.log_path.open("a")
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.kind.docker", "--name", self.name, "reap",
+             "--starter", str(os.getpid())],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+
+    def reap(self, starter: int, interval: float = 0.5) -> bool:
+        """Wait for ``starter`` to die; then, if it still owns the daemon, tear it down.
+        Returns whether it did."""
+        while _alive(starter):
+            time.sleep(interval)
+        try:
+            owner = (self.run_dir / "owner").read_text().strip()
+        except OSError:
+            return False  # stopped (and cleaned) by its starter
+        if owner != str(starter):
+            return False  # another daemon under the same name now
+        _log(f"its starter, pid {starter}, died without stopping it: tearing down", self.quiet)
+        with self._start_lock():
+            self._teardown()
+        return True
 
     def _make_netns(self) -> None:
         if not self.netns.exists():
@@ -409,7 +442,11 @@ class Dockerd:
             subprocess.run(["ip", "netns", "del", self.netns_name], capture_output=True,
                            check=False)  # fmt: skip
         shutil.rmtree(self.exec_root, ignore_errors=True)
-        for leftover in (self.socket, self.pidfile, self.run_dir / "owner"):
+        made_modules = self.run_dir / MADE_MODULES_MARKER
+        if made_modules.exists():  # kind's docker run -v made /lib/modules (tests.kind.cluster)
+            with contextlib.suppress(OSError):  # not empty: someone else's now
+                Path("/lib/modules").rmdir()
+        for leftover in (self.socket, self.pidfile, self.run_dir / "owner", made_modules):
             leftover.unlink(missing_ok=True)
         self.pid = None
         extra = f"; killed {killed} leftover processes" if killed else ""
@@ -485,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("start", help="start (or find) the daemon and leave it running")
     sub.add_parser("stop", help="tear the daemon down, whoever started it")
     sub.add_parser("status", help="print DOCKER_HOST and the namespace, or what is left over")
+    reap = sub.add_parser("reap", help="(internal) tear down once the starter pid has died")
+    reap.add_argument("--starter", type=int, required=True)
     run = sub.add_parser("exec", help="run a command in the namespace with DOCKER_HOST set")
     run.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -492,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "start":
         daemon.start(keep=True)
         print(f"DOCKER_HOST={daemon.host}\nNETNS={daemon.netns}")
+        return 0
+    if args.command == "reap":
+        daemon.reap(args.starter)
         return 0
     if args.command == "stop":
         daemon.stop(force=True)
