@@ -371,6 +371,8 @@ def build_offline_images(tag: str, backend: KindBackend, logs: Path) -> None:
     if result.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-40:])
         raise AssertionError(f"scripts/images-offline.sh exited {result.returncode}:\n{tail}")
+    # The harness's own daemon: what a rebuild left untagged is 5 GB a time (the worker image).
+    run(["docker", "image", "prune", "--force"], env=backend.env(), timeout=600)
 
 
 @pytest.fixture(scope="session")
