@@ -107,7 +107,9 @@ def missing_requirements(mode: str = "upstream") -> str | None:
             if shutil.which(tool) is None:
                 problems.append(f"{tool} is not on PATH ({fix})")
         if not SECCOMP_HEADER.exists():
-            problems.append(f"no {SECCOMP_HEADER} for runc's build (apt-get install libseccomp-dev)")
+            problems.append(
+                f"no {SECCOMP_HEADER} for runc's build (apt-get install libseccomp-dev)"
+            )
     else:
         if shutil.which("kind") is None:
             problems.append(
