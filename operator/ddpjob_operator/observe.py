@@ -182,6 +182,14 @@ class ObservedPod:
         return self.owner_uid is None or job_uid is None or self.owner_uid == job_uid
 
 
+LOST_CONTAINER_REASONS = frozenset({"Unknown", "ContainerStatusUnknown"})
+"""A terminated container's ``reason`` when nobody saw it exit: containerd gives ``Unknown``
+(exit code 255) to the containers whose tasks it lost, after a reboot of the node or a restart
+of the runtime, and the kubelet gives ``ContainerStatusUnknown`` (137) to one it cannot find any
+more. The node went down under the trainer (a real kubelet on kind, the node killed and started
+again, reported 255 ``Unknown``, and the job was charged for it): not the trainer's failure."""
+
+
 def _disruption_reason(raw: str) -> Reason | None:
     if raw in DISRUPTION_TARGET_REASONS:
         return DISRUPTION_TARGET_REASONS[raw]
@@ -225,7 +233,8 @@ def classify(pod: ObservedPod) -> str:
     1. a disruption (``DisruptionTarget`` condition or ``status.reason``), by the exact tables;
     2. deleted by someone else (``kubectl delete``) and the trainer had not terminated before
        that: ``Deleted``, whatever exit code the kill left behind;
-    3. the trainer was OOM-killed: ``OOMKilled``;
+    3. the trainer was OOM-killed: ``OOMKilled``; its runtime lost it (the node restarted:
+       :data:`LOST_CONTAINER_REASONS`): ``NodeLost``;
     4. the agent stopped gracefully on a signal (exit 143) with no other explanation:
        ``Preempted``;
     5. the trainer's exit code: ``ExitCode(n)``;
@@ -237,6 +246,8 @@ def classify(pod: ObservedPod) -> str:
         return Reason.DELETED
     if pod.container_reason == "OOMKilled":
         return Reason.OOM_KILLED
+    if pod.container_reason in LOST_CONTAINER_REASONS:
+        return Reason.NODE_LOST
     if pod.exit_code == contract.EXIT_STOPPED_BY_SIGNAL:
         return Reason.PREEMPTED
     if pod.exit_code is not None and pod.exit_code != 0:

@@ -185,6 +185,25 @@ def test_oom_killed_trainer_next_to_a_sidecar_that_exited_0() -> None:
     ]
 
 
+@pytest.mark.parametrize(("code", "reason"), [(255, "Unknown"), (137, "ContainerStatusUnknown")])
+def test_a_trainer_its_node_lost_in_a_restart_is_not_charged(code: int, reason: str) -> None:
+    """After the node restarts, containerd reports the containers whose tasks it lost as exited
+    255 ``Unknown`` (kind: a node killed and started again), and the kubelet one it cannot find
+    as 137 ``ContainerStatusUnknown``: a lost node, not the trainer's failure."""
+    world = cluster()
+    world.start(name(1))
+    pod = world.pods[name(1)]
+    pod["status"]["phase"] = "Failed"
+    pod["status"]["containerStatuses"] = [
+        {"name": "trainer", "state": {"terminated": {"exitCode": code, "reason": reason}}},
+    ]
+    decision = world.operator_pass()
+    assert [(f.reason, f.exit_code, f.charged) for f in decision.status.failures] == [
+        ("NodeLost", code, False)
+    ]
+    assert decision.status.backoff_count == 0
+
+
 @pytest.mark.parametrize(
     ("reason", "expected"),
     [
