@@ -33,11 +33,12 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,7 @@ class KindCluster:
         # kind mounts /lib/modules into its nodes (docker run -v), which makes an empty one on a
         # machine that has none; delete() takes away what create() made.
         self._made_modules_dir = False
+        self._stopped: dict[str, list[int]] = {}
 
     # -- commands --
 
@@ -419,13 +421,44 @@ class KindCluster:
         """A loud loss: the node's container is SIGKILLed (``docker kill``)."""
         self.docker("kill", node)
 
-    def pause(self, node: str) -> None:
-        """A silent loss: every process of the node frozen (``docker pause``, the freezer
-        cgroup); its network stays up, so the kernel still takes packets and nothing answers."""
-        self.docker("pause", node)
+    def pause(self, node: str) -> str:
+        """A silent loss: every process of the node frozen; its network stays up, so the kernel
+        still takes packets and nothing answers. ``docker pause`` (the freezer cgroup) where it
+        works; where runc gives up on the freezer ("unable to freeze": seen on this machine's
+        cgroup v1 with a loaded kind node), SIGSTOP of every process in the node's cgroups until
+        all are stopped, as a hung machine. Returns which of the two it was."""
+        paused = self._run(["docker", "pause", node], check=False)
+        if paused.returncode == 0:
+            return "docker pause"
+        log.warning("docker pause %s failed (%s): SIGSTOP instead", node, paused.stderr.strip())
+        self._stopped[node] = _stop_all(lambda: self._node_pids(node))
+        return f"SIGSTOP of {len(self._stopped[node])} processes"
 
     def unpause(self, node: str) -> None:
-        self.docker("unpause", node)
+        stopped = self._stopped.pop(node, None)
+        if stopped is None:
+            self.docker("unpause", node)
+            return
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def _node_pids(self, node: str) -> list[int]:
+        """Every process of the node: its container's cgroup subtree (nested containers
+        included: they have PID namespaces of their own, but their cgroups are below)."""
+        pid_text, container = self.docker("inspect", "-f", "{{.State.Pid}} {{.Id}}", node).split()
+        relative = ""
+        for line in Path(f"/proc/{pid_text}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            # systemd in the node moved itself below the container's cgroup (init.scope)
+            if "pids" in controllers.split(",") and container in path:
+                relative = path[: path.index(container) + len(container)]
+        if not relative:
+            raise ClusterError(f"no pids cgroup of container {container[:12]} for {node}")
+        root = Path("/sys/fs/cgroup/pids") / relative.lstrip("/")
+        return sorted(
+            {int(p) for f in root.rglob("cgroup.procs") for p in f.read_text().split() if p}
+        )
 
     def disconnect(self, node: str) -> None:
         """A partition: the node's link to the kind network is removed."""
@@ -442,6 +475,33 @@ class KindCluster:
         rejoins, and every node's routes are written again."""
         self.docker("start", node)
         self.network()
+
+
+def _stop_all(members: Callable[[], list[int]], timeout: float = 30.0) -> list[int]:
+    """SIGSTOP every process ``members()`` lists, again and again until a pass finds all of
+    them stopped (one forked during a pass is caught by the next; a stopped one forks no
+    more). Returns every pid stopped."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for pid in members():
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if pid not in seen:
+                seen.append(pid)
+            if state not in ("T", "t", "Z", "X"):
+                running.append(pid)
+        if not running:
+            return seen
+        if time.monotonic() > deadline:
+            raise ClusterError(f"could not stop {running} within {timeout:g}s")
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.05)
 
 
 def _ready(obj: Mapping[str, Any]) -> bool:
