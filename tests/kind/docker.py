@@ -36,9 +36,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
+
+from tests.kube.build import exclusive
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache" / "kind"
@@ -202,12 +204,8 @@ class Dockerd:
             return None
         return pid if _alive(pid) and _comm(pid) == "dockerd" else None
 
-    @contextlib.contextmanager
-    def _start_lock(self) -> Iterator[None]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with (self.run_dir / "start.lock").open("w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
+    def _start_lock(self) -> contextlib.AbstractContextManager[None]:
+        return exclusive(self.run_dir / "start.lock")
 
     def start(self, *, keep: bool = False) -> Dockerd:
         """Start the daemon, or join the one already running under this name. ``keep``: a

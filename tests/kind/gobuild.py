@@ -23,8 +23,6 @@ output is kept in ``build.log`` next to the binaries.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -34,7 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,14 +267,6 @@ def built() -> bool:
     return all((target / name).is_file() for name in BINARIES)
 
 
-@contextlib.contextmanager
-def _lock() -> Iterator[None]:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with (CACHE / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test sessions build once
-        yield
-
-
 def _say(quiet: bool, message: str) -> None:
     if not quiet:
         print(message, file=sys.stderr, flush=True)
@@ -319,7 +309,7 @@ def build(*, quiet: bool = False, nice: bool = False) -> Path:
 
     ``nice=True`` runs the compilers under ``nice -n 19``, so a build can run next to the tests.
     """
-    with _lock():
+    with kube_build.exclusive(CACHE / ".lock"):
         target = bin_dir()
         if built():
             return target

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -192,14 +191,6 @@ def image_label(dockerd: Dockerd, ref: str) -> str | None:
 
 def _is_current(dockerd: Dockerd, refs: Iterable[str], key: str) -> bool:
     return all(image_label(dockerd, ref) == key for ref in refs)
-
-
-@contextlib.contextmanager
-def _lock() -> Iterator[None]:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with (CACHE / "images.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two sessions build once
-        yield
 
 
 @contextlib.contextmanager
@@ -742,7 +733,7 @@ def build_node_image(
     """The node image for the binaries in ``bins`` (tests.kind.gobuild.build()) and
     ``control_plane_bins`` (tests.kube.build.bin_dir()); built if its inputs changed. Returns
     its reference (``kindest/node:<version>-ddpjob``, or ``$KIND_NODE_IMAGE``)."""
-    with _lock(), step("node image (all steps)", quiet):
+    with kube_build.exclusive(CACHE / "images.lock"), step("node image (all steps)", quiet):
         kind_dir = kind_module_dir()
         version = kubernetes_version(bins)
         ref = node_image_ref(version)

@@ -69,10 +69,12 @@ def built() -> bool:
 
 
 @contextlib.contextmanager
-def _lock() -> Iterator[None]:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with (CACHE / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test sessions build once
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (made, with its directory, if missing) for the block:
+    parallel test sessions build (or start) a thing once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
@@ -84,7 +86,7 @@ def _ldflags(version: str) -> str:
 
 def build(*, quiet: bool = False) -> Path:
     """Build what is missing; return the directory of the four binaries."""
-    with _lock():
+    with exclusive(CACHE / ".lock"):
         target = bin_dir()
         if built():
             return target
