@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 
-from tests.e2e.cluster import Doc, Installed, Kube, wait_until
+from tests.e2e.cluster import Installed, Kube, wait_until
 from tests.e2e.test_kind_operator import (
     EXAMPLE,
     STEP_RE,
+    Job,
     PodLogs,
     lineage_problems,
     pod_logs,
@@ -97,25 +98,10 @@ def manifest(name: str, worker_image: str) -> str:
     return yaml.safe_dump(document, sort_keys=False)
 
 
-def pods(kube: Kube, name: str) -> dict[str, Doc]:
-    return {p["metadata"]["name"]: p for p in kube.items("pods", f"-l=ddpjob.io/job-name={name}")}
-
-
-def status(kube: Kube, name: str) -> Doc:
-    job = kube.get_or_none("ddpjob", name)
-    found: Doc = (job or {}).get("status") or {}
-    return found
-
-
-def describe(kube: Kube, name: str, logs: PodLogs) -> Callable[[], str]:
+def describe(job: Job, logs: PodLogs) -> Callable[[], str]:
     def text() -> str:
-        lines = [f"status: {status(kube, name)}"]
-        for pod_name, pod in sorted(pods(kube, name).items()):
-            lines.append(
-                f"{pod_name}: {pod['status'].get('phase')} on {pod['spec'].get('nodeName')} "
-                f"deleting={bool(pod['metadata'].get('deletionTimestamp'))}"
-            )
-        return "\n".join(lines) + "\n" + logs.describe()
+        nodes = [f"{name} on {p['spec'].get('nodeName')}" for name, p in sorted(job.pods().items())]
+        return f"{job.describe()}\nnodes: {', '.join(nodes)}\n{logs.describe()}"
 
     return text
 
@@ -151,7 +137,8 @@ def test_a_lost_node_costs_no_step_and_no_charge(
     kube.kubectl("delete", "ddpjob", name, "--ignore-not-found", "--timeout=300s", timeout=330)
     kube.kubectl("apply", "-f", "-", stdin=manifest(name, kind_install.worker_image))
     logs = pod_logs(kube, name, kube.get("ddpjob", name)["metadata"]["uid"])
-    say = describe(kube, name, logs)
+    job = Job(kube, name)
+    say = describe(job, logs)
     target = f"{name}-worker-{victim}"
     survivors = [f"{name}-worker-{i}" for i in range(3) if i != victim]
 
@@ -163,7 +150,7 @@ def test_a_lost_node_costs_no_step_and_no_charge(
         describe=say,
     )
     logs.wait_new_checkpoint(say)
-    placed = {pod: p["spec"]["nodeName"] for pod, p in pods(kube, name).items()}
+    placed = {pod: p["spec"]["nodeName"] for pod, p in job.pods().items()}
     node = placed[target]
     assert len(set(placed.values())) == 3, placed
 
@@ -196,12 +183,12 @@ def test_a_lost_node_costs_no_step_and_no_charge(
         describe=say,
     )
     wait_until(
-        lambda: status(kube, name).get("phase") in ("Succeeded", "Failed"),
+        lambda: job.status().get("phase") in ("Succeeded", "Failed"),
         timeout=FINISH_TIMEOUT,
         what="the job to finish",
         describe=say,
     )
-    final = status(kube, name)
+    final = job.status()
     assert final["phase"] == "Succeeded", say()
     assert final.get("backoffCount", 0) == 0, say()
     charged = [f for f in final.get("failures", []) if f.get("charged")]

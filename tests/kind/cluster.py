@@ -184,7 +184,7 @@ class Forwarder:
             log.warning("cannot reach %s:%d in %s: %s", *self.target, self.netns, exc)
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        await asyncio.gather(network.pipe(reader, up_writer), network.pipe(up_reader, writer))
 
     def stop(self) -> None:
         self._stopped.set()
@@ -192,18 +192,6 @@ class Forwarder:
             self._thread.join(timeout=5)
         with contextlib.suppress(OSError):
             self._listener.close()
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except OSError:
-        pass
-    finally:
-        with contextlib.suppress(OSError, RuntimeError):
-            writer.close()
 
 
 # ---- the cluster ----------------------------------------------------------------------------

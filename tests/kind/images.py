@@ -58,7 +58,6 @@ ROOTFS_DIR = CACHE / "rootfs"
 LABEL = "io.ddpjob.kind.input"
 SUITE = "bookworm"
 MIRROR = os.environ.get("DDPJOB_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-KIND_VERSION = "v0.33.0"
 
 # kind's images/base/Dockerfile list, without what a ddpjob cluster does not use (nfs-common,
 # open-iscsi, e2fsprogs, fuse-overlayfs for rootless, curl).
@@ -257,17 +256,6 @@ def _last_line(path: Path) -> str:
 
 
 # ---- 2. the base image ------------------------------------------------------------------------
-
-
-def kind_module_dir() -> Path:
-    """sigs.k8s.io/kind at KIND_VERSION, from the Go module cache (downloaded if missing)."""
-    with contextlib.suppress(AttributeError):
-        found: Path = gobuild.kind_module_dir()
-        return found
-    out = _run(["go", "mod", "download", "-json", f"sigs.k8s.io/kind@{KIND_VERSION}"],
-               "go mod download sigs.k8s.io/kind", "check `go env GOPROXY`",
-               cwd=tempfile.gettempdir())  # fmt: skip
-    return Path(json.loads(out)["Dir"])
 
 
 def base_files(kind_dir: Path) -> Path:
@@ -734,7 +722,7 @@ def build_node_image(
     ``control_plane_bins`` (tests.kube.build.bin_dir()); built if its inputs changed. Returns
     its reference (``kindest/node:<version>-ddpjob``, or ``$KIND_NODE_IMAGE``)."""
     with kube_build.exclusive(CACHE / "images.lock"), step("node image (all steps)", quiet):
-        kind_dir = kind_module_dir()
+        kind_dir = gobuild.kind_module_dir()
         version = kubernetes_version(bins)
         ref = node_image_ref(version)
         base = base_image(dockerd, kind_dir, quiet=quiet)
@@ -829,7 +817,7 @@ def _cli(argv: Sequence[str] | None = None) -> int:
     try:
         dockerd.start(keep=args.keep_daemon)
         if args.control_plane_only:
-            kind_dir = kind_module_dir()
+            kind_dir = gobuild.kind_module_dir()
             base = base_image(dockerd, kind_dir)
             with step("check: docker run --rm --privileged"):
                 dockerd.check_privileged(base)

@@ -241,7 +241,9 @@ def connect(path: Path | str, address: tuple[str, int], timeout: float) -> socke
 # ---- the kubernetes Service -----------------------------------------------------------------
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy bytes from ``reader`` to ``writer`` until either side closes, then close
+    ``writer`` (also when its loop is already closing: a forwarder that stops)."""
     try:
         while data := await reader.read(65536):
             writer.write(data)
@@ -249,7 +251,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     except OSError:
         pass
     finally:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, RuntimeError):
             writer.close()
 
 
@@ -261,7 +263,7 @@ async def _forward(listener: socket.socket, target: tuple[str, int]) -> None:
             log.warning("cannot reach %s:%d: %s", *target, exc)
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
 
     server = await asyncio.start_server(serve, sock=listener)
     async with server:
