@@ -16,6 +16,7 @@ of ``make test``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -271,10 +272,25 @@ class KubeTest:
             if name in self.cluster.frozen:
                 self.cluster.heal_node(name)
         for name in self.spares:
+            self._clear_node(name)
             self.cluster.remove_node(name)
         for name in self.lost:
             if name not in self.spares:
                 self.cluster.revive_node(name)
+
+    def _clear_node(self, name: str) -> None:
+        """Delete every pod bound to a spare node, finalizers and all: a spare node's name is
+        used again by a later test, and the scheduler counts a Terminating pod bound to that
+        name (one whose tracking finalizer the test's stopped operator never removed) against
+        the new node."""
+        found = self.api.get("/api/v1/pods", fieldSelector=f"spec.nodeName={name}")
+        for pod in found.get("items") or []:
+            meta = pod["metadata"]
+            path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+            with contextlib.suppress(ApiError):
+                if meta.get("finalizers"):
+                    self.api.patch(path, {"metadata": {"finalizers": None}}, kind="merge-patch")
+                self.api.delete(path, {"gracePeriodSeconds": 0})
 
     # ---- the operator ---------------------------------------------------------------------
 

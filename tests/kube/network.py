@@ -132,7 +132,26 @@ def hubs() -> list[int]:
 
 def set_ports(octet: int, cidr: str, *, up: bool) -> list[str]:
     """Take the bridge ports of every pod whose address is in ``cidr`` down (``up=False``: their
-    packets are dropped, silently) or up again. Returns the ports changed."""
+    packets are dropped, silently) or up again. Returns the ports changed.
+
+    A port may vanish between the listing and the change (its pod torn down meanwhile): then
+    the ports still there are listed and changed again."""
+    for attempt in range(3):
+        ports = _ports(octet, cidr)
+        if not ports:
+            return ports
+        state = "up" if up else "down"
+        try:
+            _batch([f"link set {port} {state}" for port in ports], netns=hub(octet))
+        except NetworkError:
+            if attempt == 2 or set(_ports(octet, cidr)) >= set(ports):
+                raise
+            continue
+        return ports
+    raise AssertionError("unreachable")
+
+
+def _ports(octet: int, cidr: str) -> list[str]:
     listed = subprocess.run(
         ["ip", "-n", hub(octet), "-o", "link", "show", "master", "br0"],
         capture_output=True, text=True, check=False,
@@ -145,9 +164,6 @@ def set_ports(octet: int, cidr: str, *, up: bool) -> list[str]:
             third, fourth = name[1:].split("-")
             if ipaddress.ip_address(f"10.{octet}.{third}.{fourth}") in network:
                 ports.append(name)
-    if ports:
-        state = "up" if up else "down"
-        _batch([f"link set {port} {state}" for port in ports], netns=hub(octet))
     return ports
 
 
