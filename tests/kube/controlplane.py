@@ -73,6 +73,11 @@ NODE_MONITOR_GRACE = "6s"
 LEASE_RENEW_SECONDS = 1.0
 NODE_CAPACITY = {"cpu": "8", "memory": "32Gi", "pods": "250", "ephemeral-storage": "100Gi"}
 START_TIMEOUT = 120.0
+FEATURE_GATES = {"GenericWorkload": True}
+"""Native gang scheduling (beta in 1.37, off by default): the scheduler places a PodGroup's
+gang all at once or not at all. Pods that name no PodGroup are not affected."""
+RUNTIME_CONFIG = {"scheduling.k8s.io/v1beta1": True}
+"""The PodGroup API, beta and therefore not served by default."""
 MAX_NODES = 14
 """Pod CIDRs are /20s of a /16; node names beyond ``nodes`` are for :meth:`add_node`."""
 AUDIT_POLICY = {
@@ -238,6 +243,12 @@ class ControlPlane:
     frozen: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Frozen node -> the pids (this machine's) stopped when it froze, its kubelet first."""
     nft_ready: bool = False
+    feature_gates: dict[str, bool] = dataclasses.field(default_factory=lambda: dict(FEATURE_GATES))
+    """Given to the API server, the controller manager and the scheduler."""
+    runtime_config: dict[str, bool] = dataclasses.field(
+        default_factory=lambda: dict(RUNTIME_CONFIG)
+    )
+    """API versions the API server serves beyond its defaults (``--runtime-config``)."""
     before_controllers: Callable[[ControlPlane], None] | None = None
     """Runs once the API server is up and before the controllers start: CRDs installed then
     are known to the garbage collector from its start (it picks up new kinds only every 30 s,
@@ -436,6 +447,12 @@ class ControlPlane:
                 f"--audit-log-path={self.audit_log}",
                 "--audit-log-maxsize=0",
                 "--profiling=false",
+                *self._gates(),
+                *(
+                    [f"--runtime-config={_pairs(self.runtime_config)}"]
+                    if self.runtime_config
+                    else []
+                ),
             ],
         )
         self._wait("kube-apiserver", self._apiserver_ready)
@@ -466,6 +483,7 @@ class ControlPlane:
                 f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
                 "--bind-address=127.0.0.1",
                 "--secure-port=0",
+                *self._gates(),
             ],
         )
         self._spawn(
@@ -476,8 +494,12 @@ class ControlPlane:
                 "--leader-elect=false",
                 "--bind-address=127.0.0.1",
                 "--secure-port=0",
+                *self._gates(),
             ],
         )
+
+    def _gates(self) -> list[str]:
+        return [f"--feature-gates={_pairs(self.feature_gates)}"] if self.feature_gates else []
 
     def _start_node(self, index: int) -> None:
         name = self.node_name(index)
@@ -564,7 +586,7 @@ class ControlPlane:
                 )
                 and not (n.get("spec") or {}).get("taints")
             }
-            return ready >= set(self.node_names())
+            return ready >= set(names)
 
         self._wait("kube-controller-manager", nodes_ready)
         self._wait(
@@ -750,6 +772,10 @@ class ControlPlane:
 
 FREEZE_PASS_SECONDS = 0.01
 FREEZE_TIMEOUT = 10.0
+
+
+def _pairs(settings: dict[str, bool]) -> str:
+    return ",".join(f"{name}={str(on).lower()}" for name, on in sorted(settings.items()))
 
 
 def _namespace_members(kubelet: psutil.Process) -> list[psutil.Process]:
