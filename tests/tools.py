@@ -216,6 +216,7 @@ def _constants() -> dict[str, str]:
         "api.GROUP": api.GROUP,
         "api.VERSION": api.VERSION,
         "api.PLURAL": api.PLURAL,
+        "api.POD_GROUP_API": api.POD_GROUP_API,
     }
 
 

@@ -56,6 +56,8 @@ POD_FINALIZER = "ddpjob.io/pod-tracking"
 """On every pod ddpjob creates; removed only once the pod's outcome is in the job's status, so
 a pod that is force-deleted or garbage-collected is still counted exactly once (the Job
 controller's ``batch.kubernetes.io/job-tracking``)."""
+POD_GROUP_API = "scheduling.k8s.io/v1beta1"
+"""The native gang API (Kubernetes 1.37: beta, behind the ``GenericWorkload`` feature gate)."""
 STORE_KEY_ENV = "DDPJOB_STORE_KEY"
 """The trainer's env var holding the job's store key: the agent HMAC-signs what it writes to
 the rendezvous store with it. The operator fills it from the job's store-key Secret
@@ -125,6 +127,23 @@ class SecurityProfile(enum.StrEnum):
 
     BASELINE = "Baseline"
     RESTRICTED = "Restricted"
+
+
+class GangScheduling(enum.StrEnum):
+    """How the job's pods are placed.
+
+    * ``None`` (default): pod by pod, as the scheduler finds room for each.
+    * ``Native``: as a gang. ddpjob makes one ``scheduling.k8s.io/v1beta1`` PodGroup per job
+      with ``minCount`` = ``minReplicas``, and every pod names it: the scheduler binds none of
+      the first ``minReplicas`` pods until it can bind them all. Pods above the minimum, and
+      replacements while the minimum is bound, are placed one by one (the job stays elastic).
+      Needs Kubernetes 1.37 with the ``GenericWorkload`` feature gate on (beta, off by
+      default) and the API version served; elsewhere the job runs without a gang and its
+      ``GangScheduled`` condition says why.
+    """
+
+    NONE = "None"
+    NATIVE = "Native"
 
 
 class Rendezvous(_Model):
@@ -279,15 +298,22 @@ ENV_VAR_FIELDS = ("name", "value", "valueFrom")
 """core/v1 EnvVar's fields (Kubernetes 1.37)."""
 
 
-def _declare(fields: tuple[str, ...], what: str) -> Any:
-    """``json_schema_extra`` for an open model: declare the core/v1 fields it does not model."""
+def _declare(
+    fields: tuple[str, ...], what: str, typed: Mapping[str, Mapping[str, Any]] | None = None
+) -> Any:
+    """``json_schema_extra`` for an open model: declare the core/v1 fields it does not model
+    (opaque, unless ``typed`` gives a field's schema)."""
 
     def extra(schema: dict[str, Any]) -> None:
         schema["x-kubernetes-preserve-unknown-fields"] = True
         properties = schema.setdefault("properties", {})
         for name in fields:
             properties.setdefault(
-                name, {"description": f"core/v1 {what}.{name}, passed to the pods as it is."}
+                name,
+                {
+                    "description": f"core/v1 {what}.{name}, passed to the pods as it is.",
+                    **copy.deepcopy(dict((typed or {}).get(name) or {})),
+                },
             )
             properties[name].setdefault("x-kubernetes-preserve-unknown-fields", True)
 
@@ -342,7 +368,20 @@ class Container(_OpenModel):
 class PodSpec(_OpenModel):
     """A core/v1 PodSpec. The first container is the trainer."""
 
-    model_config = ConfigDict(json_schema_extra=_declare(POD_SPEC_FIELDS, "PodSpec"))
+    model_config = ConfigDict(
+        json_schema_extra=_declare(
+            POD_SPEC_FIELDS,
+            "PodSpec",
+            # Typed, so that the spec's CEL rule for gangScheduling can ask whether it is set
+            # (the API server's CEL knows no untyped field).
+            typed={
+                "schedulingGroup": {
+                    "type": "object",
+                    "properties": {"podGroupName": {"type": "string"}},
+                }
+            },
+        )
+    )
 
     containers: Annotated[
         list[Container],
@@ -371,6 +410,7 @@ IMMUTABLE_WHILE_RUNNING = (
     "rendezvous",
     "maxRestarts",
     "nodeLostTolerationSeconds",
+    "gangScheduling",
     "template",
 )
 """Spec fields baked into the pods: fixed unless the job is suspended (or being suspended)."""
@@ -424,6 +464,17 @@ class DDPJobSpec(_Model):
                     ),
                     "message": "replicas must lie within minReplicas..maxReplicas",
                     "fieldPath": ".replicas",
+                },
+                {
+                    "rule": (
+                        "!(has(self.gangScheduling) && self.gangScheduling == 'Native' && "
+                        "has(self.template.spec.schedulingGroup))"
+                    ),
+                    "message": (
+                        "gangScheduling: Native makes the job's own PodGroup: remove "
+                        "template.spec.schedulingGroup, or set gangScheduling: None"
+                    ),
+                    "fieldPath": ".gangScheduling",
                 },
                 *[_immutable_rule(field) for field in IMMUTABLE_WHILE_RUNNING],
             ]
@@ -540,7 +591,28 @@ class DDPJobSpec(_Model):
             json_schema_extra={"pattern": QUANTITY_PATTERN},
         ),
     ] = None
+    gang_scheduling: Annotated[
+        GangScheduling,
+        Field(
+            description=(
+                "None (default): pods are placed one by one. Native: the first minReplicas pods "
+                "are placed all at once or not at all (a scheduling.k8s.io/v1beta1 PodGroup, "
+                "Kubernetes 1.37+ with the GenericWorkload feature gate)."
+            )
+        ),
+    ] = GangScheduling.NONE
     template: PodTemplate
+
+    @pydantic.model_validator(mode="after")
+    def _check_gang(self) -> Self:
+        group = (self.template.spec.model_extra or {}).get("schedulingGroup")
+        if self.gang_scheduling is GangScheduling.NATIVE and group is not None:
+            raise ValueError(
+                "gangScheduling: Native makes the job's own PodGroup, and "
+                "template.spec.schedulingGroup names another: remove "
+                "template.spec.schedulingGroup, or set gangScheduling: None to use your own group"
+            )
+        return self
 
     @pydantic.model_validator(mode="after")
     def _check_bounds(self) -> Self:
@@ -590,6 +662,11 @@ class ConditionType(enum.StrEnum):
     SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    GANG_SCHEDULED = "GangScheduled"
+    """Only with ``gangScheduling: Native``: True once the job's first ``minReplicas`` pods
+    are bound together; False while they wait for room (reason ``Unschedulable``, with the
+    scheduler's message), or when the cluster serves no PodGroups (``PodGroupsNotServed``: the
+    job runs without a gang)."""
     INVALID_SPEC = "InvalidSpec"
     """True while the operator cannot parse the spec (it then acts on nothing). Not terminal:
     fixing the spec clears it and the job goes on."""

@@ -224,6 +224,31 @@ def build_network_policy(job: api.DDPJob) -> JSON:
     }
 
 
+def pod_group_name(job_name: str) -> str:
+    return job_name
+
+
+def build_pod_group(job: api.DDPJob) -> JSON:
+    """The job's PodGroup (``gangScheduling: Native``): the scheduler binds none of the first
+    ``minCount`` = ``minReplicas`` pods that name it until it can bind them all; once they are,
+    more pods (a scale up, a replacement) are placed one by one.
+
+    Its priority is the template's (the scheduler wants a gang's pods and their group at one
+    priority). ``minCount`` is the only field that may change: the operator updates it when a
+    suspended job's ``minReplicas`` changed.
+    """
+    spec: JSON = {"schedulingPolicy": {"gang": {"minCount": job.spec.effective_min}}}
+    priority_class = (job.spec.template.spec.model_extra or {}).get("priorityClassName")
+    if priority_class:
+        spec["priorityClassName"] = priority_class
+    return {
+        "apiVersion": api.POD_GROUP_API,
+        "kind": "PodGroup",
+        "metadata": _metadata(job, pod_group_name(job.name), None, {}),
+        "spec": spec,
+    }
+
+
 STORE_KEY_ENTRY = "key"
 """The one entry of a job's store-key Secret."""
 
@@ -469,8 +494,12 @@ def build_pod(
     network: Network = CLUSTER,
     default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
     store_key: bool = True,
+    pod_group: str | None = None,
 ) -> JSON:
     """Pod ``index`` of the job, complete. Pod 0 hosts the c10d store.
+
+    ``pod_group``: the PodGroup the pod joins (``spec.schedulingGroup``), for a job with
+    ``gangScheduling: Native`` on a cluster that serves PodGroups.
 
     ``store_key``: the trainer gets ``DDPJOB_STORE_KEY`` from the job's store-key Secret
     (:func:`store_key_env`). The reconciler leaves it out while pods of the job built without
@@ -501,6 +530,8 @@ def build_pod(
         # pod 0's name <job>-worker-0.<job>.<ns>.svc would never resolve.
         spec.setdefault("dnsPolicy", "ClusterFirstWithHostNet")
     spec["tolerations"] = _tolerations(spec.get("tolerations") or [], job.spec)
+    if pod_group is not None:
+        spec["schedulingGroup"] = {"podGroupName": pod_group}
     _secure_pod(spec, security_profile(job.spec, default_profile))
     meta = _metadata(job, pod_name(job.name, index), index, template.metadata.labels or {})
     meta["finalizers"] = [api.POD_FINALIZER]

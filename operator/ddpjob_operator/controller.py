@@ -52,6 +52,12 @@ MAX_CONFLICT_RETRIES = 5
 ERROR_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
 CONCURRENCY = 16
 """API calls in flight at once for one pass (pod creations of a large job go in parallel)."""
+POD_GROUPS_CHECK_SECONDS = 300.0
+"""How long the answer to "does the cluster serve PodGroups?" is kept (asked only for jobs that
+want a gang)."""
+POD_GROUP_RECHECK_SECONDS = 30.0
+"""While pods of a gang wait unbound, the job's PodGroup is posted again this often: a group
+someone deleted is made again (pods that name a missing group are never scheduled)."""
 STUCK_PASS_SECONDS = 120.0
 """A pass running longer than this makes the liveness probe fail."""
 MAX_FAILED_ACTION_EVENTS = 10
@@ -153,6 +159,9 @@ class Controller:
         self._in_flight: dict[Key, float] = {}
         self._policies: set[Key] = set()
         self._store_keys: set[Key] = set()
+        self._pod_groups: dict[Key, tuple[int, float]] = {}
+        """The minCount of each job's PodGroup as last made or set, and when."""
+        self._pod_groups_served: tuple[bool, float] | None = None
         self._expected: dict[Key, Expectations] = {}
         self._ignored: dict[Key, list[str]] = {}
 
@@ -203,6 +212,7 @@ class Controller:
             self._phases.pop(key, None)
             self._policies.discard(key)
             self._store_keys.discard(key)
+            self._pod_groups.pop(key, None)
             self._expected.pop(key, None)
             self._ignored.pop(key, None)
             self.metrics.set_phases(self._phases)
@@ -272,7 +282,8 @@ class Controller:
         if self.config.ask_agents:
             port = builders.CLUSTER.directory_port(job, 0)
             seen = agents.apply(seen, await agents.ask_pods(seen, port))
-        observed = Observed(seen + expected.pending_pods(_index_of), service())
+        served = await self._serves_pod_groups(job)
+        observed = Observed(seen + expected.pending_pods(_index_of), service(), served)
         decision = reconcile(
             job,
             observed,
@@ -295,6 +306,7 @@ class Controller:
                 expected,
                 self._network_policy(key, job),
                 self._store_key_secret(key, job),
+                self._pod_group(key, job, served, seen),
             )
         except ActionsFailedError as exc:
             # The API refused something (say, a pod the CRD schema let through but the API
@@ -396,6 +408,35 @@ class Controller:
             return None
         return builders.build_store_key_secret(job, secrets.token_urlsafe(32))
 
+    async def _serves_pod_groups(self, job: api.DDPJob) -> bool | None:
+        """Whether the cluster serves PodGroups, for a job that wants a gang (else None)."""
+        if job.spec.gang_scheduling is not api.GangScheduling.NATIVE:
+            return None
+        now = time.monotonic()
+        known = self._pod_groups_served
+        if known is None or now - known[1] > POD_GROUPS_CHECK_SECONDS:
+            known = (await self.kube.pod_groups_served(), now)
+            self._pod_groups_served = known
+        return known[0]
+
+    def _pod_group(
+        self, key: Key, job: api.DDPJob, served: bool | None, seen: Iterable[ObservedPod]
+    ) -> JSON | None:
+        """The job's PodGroup, to create (or to set its minCount): when the job wants a gang
+        that this operator has not made yet at this size, or has pods of the gang waiting
+        unbound (then at most every :data:`POD_GROUP_RECHECK_SECONDS`)."""
+        if not served or job.status.phase.is_finished or job.metadata.deletion_timestamp:
+            return None
+        if job.spec.gang_scheduling is not api.GangScheduling.NATIVE:
+            return None
+        made = self._pod_groups.get(key)
+        if made is not None and made[0] == job.spec.effective_min:
+            name = builders.pod_group_name(job.name)
+            waiting = any(p.pod_group == name and p.node is None and p.live for p in seen)
+            if not waiting or time.monotonic() - made[1] < POD_GROUP_RECHECK_SECONDS:
+                return None
+        return builders.build_pod_group(job)
+
     async def _execute(
         self,
         key: Key,
@@ -405,15 +446,17 @@ class Controller:
         expected: Expectations,
         policy: JSON | None = None,
         secret: JSON | None = None,
+        pod_group: JSON | None = None,
     ) -> None:
-        """The Service, the NetworkPolicy and the store-key Secret first; then deletes and
-        finalizer removals; then creations; then the job.
+        """The Service, the NetworkPolicy, the store-key Secret and the PodGroup first; then
+        deletes and finalizer removals; then creations; then the job.
 
-        Deletes and finalizer removals run even when the Service, the NetworkPolicy or the
-        Secret could not be made (they only let go of pods). Pods are created only when
-        everything before succeeded: a pod must never start without its DNS name, the policy
-        the job asked for, or the Secret its env reads (it would wait in
-        CreateContainerConfigError).
+        Deletes and finalizer removals run even when the Service, the NetworkPolicy, the
+        Secret or the PodGroup could not be made (they only let go of pods). Pods are created
+        only when everything before succeeded: a pod must never start without its DNS name,
+        the policy the job asked for, or the Secret its env reads (it would wait in
+        CreateContainerConfigError), and a pod of a gang would never be scheduled without its
+        group.
         """
         namespace = key[0]
         job_uid = job.metadata.uid or ""
@@ -446,6 +489,14 @@ class Controller:
         if secret is not None:
             groups[0].append(
                 (self.kube.create_secret(namespace, secret), lambda: self._store_keys.add(key))
+            )
+        if pod_group is not None:
+            size = int(pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"])
+            groups[0].append(
+                (
+                    self.kube.ensure_pod_group(namespace, pod_group),
+                    lambda: self._pod_groups.__setitem__(key, (size, time.monotonic())),
+                )
             )
         for action in actions:
             if isinstance(action, CreateService):

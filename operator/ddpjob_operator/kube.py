@@ -224,16 +224,17 @@ class KubeApi:
             {"preconditions": {"uid": uid}, "propagationPolicy": "Background"},
         )
 
-    async def create(self, path: str, body: JSON) -> None:
+    async def create(self, path: str, body: JSON) -> bool:
         """Create; an object of that name that exists already is fine (idempotent) if it has
         the same controller (the owner reference with ``controller: true``) as ``body``.
+        True when this call made it, False when it was there.
 
         Anything else under that name (a user's object, or one of an earlier job of the same
         name that is still being deleted) raises :class:`OwnershipError`, naming it.
         """
         try:
             await self.request("POST", path, body)
-            return
+            return True
         except ApiError as exc:
             if exc.status != 409:
                 raise
@@ -246,7 +247,7 @@ class KubeApi:
             raise
         wanted, found = controller_uid(body), controller_uid(existing)
         if found == wanted:
-            return
+            return False
         kind = str(body.get("kind", "object"))
         namespace = str(body["metadata"].get("namespace", ""))
         owners: list[JSON] = body["metadata"].get("ownerReferences") or []
@@ -296,12 +297,45 @@ class KubeApi:
             "Role). The job's pods are not created until the Secret exists",
         )
 
+    async def pod_groups_served(self) -> bool:
+        """The cluster serves native PodGroups (discovery: no extra RBAC needed)."""
+        try:
+            resources = await self.request("GET", f"/apis/{api.POD_GROUP_API}")
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return "podgroups" in {r.get("name") for r in resources.get("resources") or []}
+
+    async def ensure_pod_group(self, namespace: str, group: JSON) -> None:
+        """Create the job's PodGroup; if it is there already, set its ``minCount`` (the only
+        field of it that may change: a suspended job's ``minReplicas`` may have)."""
+        path = f"/apis/{api.POD_GROUP_API}/namespaces/{namespace}/podgroups"
+        made = await self._create_or_say(
+            namespace,
+            path,
+            group,
+            "PodGroup",
+            ", which the job asks for (spec.gangScheduling: Native)",
+            "grant the operator create, get and patch on scheduling.k8s.io podgroups (the Helm "
+            "chart does), or set spec.gangScheduling: None. The job's pods are not created "
+            "until the group exists",
+        )
+        if not made:
+            policy = {"spec": {"schedulingPolicy": group["spec"]["schedulingPolicy"]}}
+            await self.request(
+                "PATCH",
+                f"{path}/{group['metadata']['name']}",
+                policy,
+                content_type="application/merge-patch+json",
+            )
+
     async def _create_or_say(
         self, namespace: str, path: str, body: JSON, kind: str, what: str, fix: str
-    ) -> None:
+    ) -> bool:
         """:meth:`create`; a 403 says which object the job needs, and how to grant it."""
         try:
-            await self.create(path, body)
+            return await self.create(path, body)
         except ApiError as exc:
             if exc.status != 403:
                 raise

@@ -145,6 +145,9 @@ class ObservedPod:
     store_keyed: bool | None = None
     """Its trainer's env sets ``DDPJOB_STORE_KEY`` (its agent signs what it writes to the
     rendezvous store); ``None`` when unknown (a pod expected but not seen yet, a local pod)."""
+    pod_group: str | None = None
+    """The PodGroup the pod names (``spec.schedulingGroup.podGroupName``): ``""`` when it
+    names none, ``None`` when unknown (a pod expected but not seen yet, a local pod)."""
 
     def ran_for(self, now: dt.datetime) -> float:
         """Seconds the trainer has run (0 when unknown): to its end, by the kubelet's clock
@@ -415,6 +418,7 @@ def observe_pod(pod: Mapping[str, Any]) -> ObservedPod | None:
             isinstance(e, Mapping) and e.get("name") == api.STORE_KEY_ENV
             for e in containers[0].get("env") or []
         ),
+        pod_group=str((spec.get("schedulingGroup") or {}).get("podGroupName") or ""),
     )
 
 

@@ -172,6 +172,9 @@ class Observed:
 
     pods: tuple[ObservedPod, ...] = ()
     service: bool = False
+    pod_groups: bool | None = None
+    """The cluster serves the native PodGroup API (asked only for a job with
+    ``gangScheduling: Native``; ``None``: not asked, as by the local runner)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -860,6 +863,7 @@ class _Plan:
 
     actions: list[Action]
     waiting: list[PodWaiting]
+    pod_group: str | None = None
     due: float | None = None
 
 
@@ -874,10 +878,11 @@ def _run_actions(
     now: dt.datetime,
     network: builders.Network,
     default_profile: api.SecurityProfile,
+    pod_groups: bool | None = None,
 ) -> _Plan:
     """Service, replacements, scale-down (highest index first), then missing pods: not under a
     name another object's pod still holds, nor before its index's back-off is over."""
-    plan = _Plan(actions=[], waiting=[])
+    plan = _Plan(actions=[], waiting=[], pod_group=gang_pod_group(job, pod_groups, pods))
     if not service:
         plan.actions.append(CreateService(builders.build_service(job)))
     if completing:
@@ -901,7 +906,9 @@ def _run_actions(
             plan.due = _sooner(plan.due, (backoff.retry_time - now).total_seconds())
             plan.waiting.append(backoff)
             continue
-        pod = builders.build_pod(job, i, network, default_profile, store_key=keyed)
+        pod = builders.build_pod(
+            job, i, network, default_profile, store_key=keyed, pod_group=plan.pod_group
+        )
         plan.actions.append(CreatePod(i, pod))
     return plan
 
@@ -917,6 +924,84 @@ def store_keyed(pods: Iterable[ObservedPod]) -> bool:
     makes), the unkeyed ones win: they are the ones that trained before the upgrade.
     """
     return not any(p.store_keyed is False and not p.phase.terminated for p in pods)
+
+
+def gang_pod_group(
+    job: api.DDPJob, pod_groups: bool | None, pods: Sequence[ObservedPod]
+) -> str | None:
+    """The PodGroup new pods join: the job's own, if it asks for a gang, the cluster serves
+    PodGroups, and no live pod of the job was made without one (a pod the gang does not count
+    would leave the group's newcomers waiting for a minCount they can never reach alone)."""
+    if job.spec.gang_scheduling is not api.GangScheduling.NATIVE or not pod_groups:
+        return None
+    if any(p.pod_group == "" and p.live for p in pods):
+        return None
+    return builders.pod_group_name(job.name)
+
+
+def _gang_condition(
+    conditions: Sequence[Condition],
+    job: api.DDPJob,
+    pod_groups: bool | None,
+    pod_group: str | None,
+    live: Sequence[ObservedPod],
+    now: dt.datetime,
+) -> list[Condition]:
+    """``GangScheduled``, for a job that asks for a gang (others never get it)."""
+    if job.spec.gang_scheduling is not api.GangScheduling.NATIVE or pod_groups is None:
+        return list(conditions)
+    gang = job.spec.effective_min
+    if not pod_groups:
+        return set_condition(
+            conditions,
+            ConditionType.GANG_SCHEDULED,
+            False,
+            "PodGroupsNotServed",
+            f"this cluster serves no {api.POD_GROUP_API} PodGroups (Kubernetes 1.37+ "
+            "with the GenericWorkload feature gate and that API version on): the job runs "
+            "without a gang, its pods placed one by one",
+            now,
+        )
+    if pod_group is None:
+        return set_condition(
+            conditions,
+            ConditionType.GANG_SCHEDULED,
+            False,
+            "PodsWithoutGroup",
+            "pods made before the cluster served PodGroups still run: new pods join them "
+            "without a gang (suspend and resume the job to form one)",
+            now,
+        )
+    bound = sum(p.node is not None for p in live)
+    if bound >= gang:
+        return set_condition(
+            conditions,
+            ConditionType.GANG_SCHEDULED,
+            True,
+            "Placed",
+            f"gang of {gang} placed: {bound} of {len(live)} pods bound",
+            now,
+        )
+    refused = next(
+        (p for p in live if p.node is None and p.waiting_reason == "Unschedulable"), None
+    )
+    if refused is not None:
+        return set_condition(
+            conditions,
+            ConditionType.GANG_SCHEDULED,
+            False,
+            "Unschedulable",
+            f"gang of {gang} cannot be placed: {refused.waiting_message}",
+            now,
+        )
+    return set_condition(
+        conditions,
+        ConditionType.GANG_SCHEDULED,
+        False,
+        "Waiting",
+        f"gang of {gang} waits to be placed: {bound} bound",
+        now,
+    )
 
 
 def _held(pod: ObservedPod) -> PodWaiting:
@@ -1066,6 +1151,7 @@ def reconcile(
         now,
         network,
         default_profile,
+        observed.pod_groups,
     )
     waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
     shown = waiting[:MAX_WAITING]
@@ -1090,8 +1176,15 @@ def reconcile(
         *_backoff_events(job, new_failures, status, now, completing),
         *_action_events(job, actions),
     ]
-    conditions = _running_conditions(
-        status.conditions, phase, completing, running, desired, spec.effective_min, waiting, now
+    conditions = _gang_condition(
+        _running_conditions(
+            status.conditions, phase, completing, running, desired, spec.effective_min, waiting, now
+        ),
+        job,
+        observed.pod_groups,
+        plan.pod_group,
+        live,
+        now,
     )
     events += _phase_events(status.phase, phase, running, desired)
     status = status.model_copy(

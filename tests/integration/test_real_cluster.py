@@ -95,6 +95,20 @@ def test_the_crd_is_established_and_the_charts_copy_is_accepted(kube: KubeTest) 
         ({"podBackoff": {"initialDelaySeconds": 400}}, "raise maxDelaySeconds"),
         ({"template": {"spec": {"containers": []}}}, "spec.template.spec.containers"),
         ({"template": {"spec": {"containers": [{"name": "t"}]}}}, "image"),
+        ({"gangScheduling": "Volcano"}, "spec.gangScheduling"),
+        (
+            {
+                "gangScheduling": "Native",
+                "template": {
+                    "spec": {
+                        "schedulingGroup": {"podGroupName": "mine"},
+                        "containers": [{"name": "t", "image": "i"}],
+                    }
+                },
+            },
+            "spec.gangScheduling: Invalid value: gangScheduling: Native makes the "
+            "job's own PodGroup: remove template.spec.schedulingGroup",
+        ),
     ],
 )
 def test_invalid_specs_are_refused_by_the_server_naming_the_field(
@@ -112,6 +126,14 @@ def test_fields_baked_into_pods_change_only_while_suspended(real: RealEnv) -> No
     refused = real.try_patch_job("frozen", {"spec": {"maxRestarts": 9}})
     assert refused.status_code == 422, refused.text
     assert "spec.maxRestarts cannot change while the job runs" in refused.json()["message"]
+    refused = real.try_patch_job("frozen", {"spec": {"gangScheduling": "Native"}})
+    assert refused.status_code == 422, refused.text
+    assert "spec.gangScheduling cannot change while the job runs" in refused.json()["message"]
+    # A group of the user's own cannot be swapped under running pods either (the template).
+    refused = real.try_patch_job(
+        "frozen", {"spec": {"template": {"spec": {"schedulingGroup": {"podGroupName": "b"}}}}}
+    )
+    assert refused.status_code == 422, refused.text
     real.patch_job("frozen", {"spec": {"maxRestarts": 9, "suspend": True}})
     real.patch_job("frozen", {"spec": {"replicas": 3}})
 

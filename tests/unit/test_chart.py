@@ -308,7 +308,9 @@ def test_rbac_derivation_sees_the_calls() -> None:
         ("", "events", "create")
     } | {("", "pods", v) for v in ("get", "list", "watch", "create", "delete", "patch")} | {
         ("networking.k8s.io", "networkpolicies", v) for v in ("get", "create")
-    } | {("", "secrets", v) for v in ("get", "create")}
+    } | {("", "secrets", v) for v in ("get", "create")} | {
+        ("scheduling.k8s.io", "podgroups", v) for v in ("get", "create", "patch")
+    }
 
 
 def test_owner_references_are_allowed_under_owner_reference_permission_enforcement() -> None:

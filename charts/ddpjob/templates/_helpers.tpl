@@ -115,6 +115,12 @@ namespace and CRD scanning is disabled (settings.scanning.disabled), and API dis
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create"]
+# PodGroups: one per job with spec.gangScheduling: Native (Kubernetes 1.37+, GenericWorkload),
+# created before its pods; get as for Services; patch sets its minCount when a suspended job's
+# minReplicas changed.
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "create", "patch"]
 {{- if eq (include "ddpjob.peering" .) "true" }}
 # kopf peering (replicaCount > 1): each replica lists and watches the peering objects and writes
 # its keep-alive into its own (merge patch of .status; the CRD has no status subresource). kopf

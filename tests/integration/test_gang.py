@@ -1,0 +1,278 @@
+"""Native gang scheduling (``gangScheduling: Native``) against the real scheduler.
+
+The shared control plane runs with the ``GenericWorkload`` feature gate and serves
+``scheduling.k8s.io/v1beta1`` (``tests/kube/controlplane.py``). Each test gets nodes of its own
+(:func:`pool`): labelled and tainted for its namespace, so only its pods go there. A node has 8
+CPUs and every pod asks for 3: two pods per node, a *slot* each.
+
+* 7 pods, 6 slots: without a gang the scheduler binds 6 and leaves 1 pending (training at
+  world 6 would hold six nodes' worth of GPUs for a job that may need 7); with a gang of 7 none
+  is bound until a 4th node comes, then all 7 are.
+* Two gangs of 4 on 6 slots: one is bound whole, the other waits with none bound (no 3 + 3
+  deadlock), and is bound when the first finishes.
+* An elastic gang (``minReplicas: 2``, ``replicas: 5``) on 4 slots: real training at world 4,
+  the 5th pod waiting alone.
+* Where PodGroups are not served (the emulator serves no ``scheduling.k8s.io``), the job says
+  so in its ``GangScheduled`` condition and runs without a gang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.kube.fixtures import KubeTest
+
+from .operator_env import EmulatorEnv, RealEnv, operator_env, real_env, wait_for
+from .test_real_cluster import last_world
+
+pytestmark = pytest.mark.slow
+JSON = dict[str, Any]
+POOL_LABEL = "ddpjob.io/test-pool"
+PODGROUPS = "scheduling.k8s.io/v1beta1/podgroups"
+WORKER_IMAGE = "ghcr.io/ddpjob/ddpjob-worker-cpu:0.1.0"
+
+
+@pytest.fixture
+def real(kube: KubeTest, tmp_path: Path) -> RealEnv:
+    return real_env(kube, tmp_path)
+
+
+def pool(kube: KubeTest, count: int) -> list[str]:
+    """``count`` nodes of the test's own, for its pods only (label and taint)."""
+    names = []
+    for _ in range(count):
+        name = kube.spare_node()
+        kube.api.patch(
+            f"/api/v1/nodes/{name}",
+            {
+                "metadata": {"labels": {POOL_LABEL: kube.namespace}},
+                "spec": {
+                    "taints": [{"key": POOL_LABEL, "value": kube.namespace, "effect": "NoSchedule"}]
+                },
+            },
+        )
+        names.append(name)
+    return names
+
+
+def template(kube: KubeTest, **container: Any) -> JSON:
+    trainer = {
+        "name": "trainer",
+        "image": WORKER_IMAGE,
+        "command": ["ddpjob-agent"],
+        "args": ["/opt/ddpjob/examples/train.py"],
+        "resources": {"requests": {"cpu": "3"}},
+        **container,
+    }
+    return {
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "nodeSelector": {POOL_LABEL: kube.namespace},
+            "tolerations": [{"key": POOL_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [trainer],
+        }
+    }
+
+
+def live(env: RealEnv | EmulatorEnv, job: str) -> list[JSON]:
+    return [p for p in env.pods(job) if not p["metadata"].get("deletionTimestamp")]
+
+
+def bound(env: RealEnv, job: str) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in live(env, job) if p["spec"].get("nodeName"))
+
+
+def condition(env: RealEnv | EmulatorEnv, job: str, type_: str = "GangScheduled") -> JSON:
+    found = [c for c in env.status(job).get("conditions") or [] if c["type"] == type_]
+    return found[0] if found else {}
+
+
+def group_condition(env: RealEnv, job: str) -> JSON:
+    group = env.get_object(PODGROUPS, env.namespace, job) or {}
+    found = [
+        c
+        for c in (group.get("status") or {}).get("conditions") or []
+        if c["type"] == "PodGroupInitiallyScheduled"
+    ]
+    return found[0] if found else {}
+
+
+def stays_unbound(env: RealEnv, jobs: list[str], seconds: float) -> None:
+    """No pod of ``jobs`` gets a node for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for job in jobs:
+            assert bound(env, job) == [], f"{job}: pods bound while the gang cannot be placed"
+        time.sleep(0.5)
+
+
+def test_seven_pods_on_six_slots_bind_six_alone_and_none_as_a_gang_until_a_node_comes(
+    real: RealEnv,
+) -> None:
+    kube = real.k
+    pool(kube, 3)
+    real.start_operator()
+    seven: JSON = {"replicas": 7, "minReplicas": 7, "maxReplicas": 7, "template": template(kube)}
+
+    # Without a gang: six bound, the seventh pending, a job that holds six nodes' worth and
+    # cannot train at the size it asks for.
+    real.create_job("alone", **seven)
+    wait_for(lambda: len(bound(real, "alone")) == 6, "6 of 7 pods bound", timeout=60)
+
+    def seventh_refused() -> JSON | None:
+        pending = [p for p in live(real, "alone") if not p["spec"].get("nodeName")]
+        conditions = [
+            c for p in pending for c in p.get("status", {}).get("conditions") or []
+            if c["type"] == "PodScheduled" and c["status"] == "False"
+        ]  # fmt: skip
+        return conditions[0] if len(pending) == 1 and conditions else None
+
+    refused = wait_for(seventh_refused, "the 7th pod refused by the scheduler", timeout=30)
+    assert refused["reason"] == "Unschedulable" and "Insufficient cpu" in refused["message"]
+    assert len(live(real, "alone")) == 7
+    assert all("schedulingGroup" not in p["spec"] for p in live(real, "alone"))
+    assert condition(real, "alone") == {}  # no gang asked for, no gang condition
+    assert real.get_object(PODGROUPS, real.namespace, "alone") is None
+    assert real.delete_job("alone") == 200
+    wait_for(lambda: real.pods("alone") == [], "the first job's pods gone", timeout=60)
+
+    # As a gang: the PodGroup first, every pod names it, and none is bound.
+    job = real.create_job("gang", gangScheduling="Native", **seven)
+    group = wait_for(
+        lambda: real.get_object(PODGROUPS, real.namespace, "gang"), "the PodGroup", timeout=30
+    )
+    assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": 7}}
+    [owner] = group["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == (
+        "DDPJob",
+        job["metadata"]["uid"],
+        True,
+    )
+    wait_for(lambda: len(live(real, "gang")) == 7, "7 pods created", timeout=30)
+    assert all(p["spec"]["schedulingGroup"] == {"podGroupName": "gang"} for p in live(real, "gang"))
+    said = wait_for(
+        lambda: (
+            condition(real, "gang").get("reason") == "Unschedulable" and condition(real, "gang")
+        ),
+        "GangScheduled=False/Unschedulable on the job",
+        timeout=60,
+    )
+    assert said["status"] == "False"
+    assert said["message"].startswith(
+        "gang of 7 cannot be placed: pod group is unschedulable, minCount (7) cannot be satisfied"
+    ), said
+    wait_for(
+        lambda: group_condition(real, "gang").get("status") == "False",
+        "PodGroupInitiallyScheduled=False on the PodGroup",
+        timeout=30,
+    )
+    stays_unbound(real, ["gang"], 10.0)
+    status = real.status("gang")
+    assert status["phase"] == "Pending"
+    assert [(w["pod"], w["reason"]) for w in status["waiting"]] == [
+        (f"gang-worker-{i}", "Unschedulable") for i in range(7)
+    ]
+
+    # A 4th node: room for all seven, and all seven are bound.
+    pool(kube, 1)
+    wait_for(lambda: len(bound(real, "gang")) == 7, "all 7 pods bound", timeout=90)
+    real.run_pods("gang", timeout=90)
+    placed = wait_for(
+        lambda: condition(real, "gang").get("status") == "True" and condition(real, "gang"),
+        "GangScheduled=True",
+        timeout=30,
+    )
+    assert (placed["reason"], placed["message"]) == (
+        "Placed",
+        "gang of 7 placed: 7 of 7 pods bound",
+    )
+    wait_for(
+        lambda: group_condition(real, "gang").get("status") == "True",
+        "PodGroupInitiallyScheduled=True on the PodGroup",
+        timeout=30,
+    )
+    wait_for(lambda: real.status("gang").get("phase") == "Running", "the job Running", timeout=30)
+
+
+def test_two_gangs_of_four_on_six_slots_run_one_after_the_other(real: RealEnv) -> None:
+    kube = real.k
+    pool(kube, 3)
+    real.start_operator()
+    four: JSON = {
+        "replicas": 4, "minReplicas": 4, "maxReplicas": 4, "gangScheduling": "Native",
+        "template": template(kube),
+    }  # fmt: skip
+    real.create_job("first", **four)
+    real.create_job("second", **four)
+    wait_for(
+        lambda: sorted([len(bound(real, "first")), len(bound(real, "second"))]) == [0, 4],
+        "one gang bound whole, the other not at all",
+        timeout=90,
+    )
+    running = "first" if len(bound(real, "first")) == 4 else "second"
+    waiting = "second" if running == "first" else "first"
+    # It stays so: no pod of the waiting gang takes one of the two free slots (no 3 + 3).
+    stays_unbound(real, [waiting], 10.0)
+    assert len(bound(real, running)) == 4
+    assert condition(real, waiting)["reason"] in ("Unschedulable", "Waiting")
+    real.run_pods(running)
+    for pod in live(real, running):
+        real.finish_pod(pod["metadata"]["name"], exit_code=0, reason="Completed")
+    wait_for(lambda: real.status(running).get("phase") == "Succeeded", f"{running} Succeeded", 60)
+    wait_for(lambda: len(bound(real, waiting)) == 4, f"{waiting} bound once {running} ended", 120)
+    real.run_pods(waiting, timeout=90)
+    assert condition(real, waiting)["status"] == "True"
+
+
+def test_an_elastic_gang_trains_at_the_size_the_cluster_has_room_for(
+    kube: KubeTest, tmp_path: Path
+) -> None:
+    """``minReplicas: 2``, ``replicas: 5`` on 4 slots: the gang of 2 is placed, two more pods
+    one by one, and the job trains at world 4 while the 5th waits (real training)."""
+    env = real_env(kube, tmp_path, fake_trainer=False)
+    pool(kube, 2)
+    env.start_operator()
+    steps = ["/opt/ddpjob/examples/train.py", "--steps=100000", "--step-sleep=0.2"]
+    env.create_job(
+        "elastic", replicas=5, minReplicas=2, maxReplicas=5, gangScheduling="Native",
+        rendezvous={"lastCallSeconds": 2}, template=template(kube, args=steps),
+    )  # fmt: skip
+    group = wait_for(lambda: env.get_object(PODGROUPS, env.namespace, "elastic"), "PodGroup", 30)
+    assert group["spec"]["schedulingPolicy"] == {"gang": {"minCount": 2}}
+    wait_for(lambda: len(bound(env, "elastic")) == 4, "4 of 5 pods bound", timeout=90)
+    members = bound(env, "elastic")
+    wait_for(
+        lambda: all(last_world(kube, p) == 4 for p in members), "training at world 4", timeout=240
+    )
+    assert len(live(env, "elastic")) == 5 and len(bound(env, "elastic")) == 4
+    placed = condition(env, "elastic")
+    assert (placed["status"], placed["message"]) == ("True", "gang of 2 placed: 4 of 5 pods bound")
+    status = env.status("elastic")
+    assert status["phase"] == "Running"
+    [left] = [p["metadata"]["name"] for p in live(env, "elastic") if not p["spec"].get("nodeName")]
+    assert [(w["pod"], w["reason"]) for w in status["waiting"]] == [(left, "Unschedulable")]
+
+
+@pytest.fixture
+def emulated(tmp_path: Path) -> Iterator[EmulatorEnv]:
+    with operator_env(tmp_path) as emulator:
+        emulator.start_operator()
+        yield emulator
+
+
+def test_without_pod_groups_the_job_runs_without_a_gang_and_says_why(
+    emulated: EmulatorEnv,
+) -> None:
+    """Never a field the server would drop silently: no schedulingGroup, no PodGroup."""
+    emulated.create_job("plain", gangScheduling="Native", replicas=2, minReplicas=2)
+    wait_for(lambda: len(live(emulated, "plain")) == 2, "2 pods created", timeout=30)
+    assert all("schedulingGroup" not in p["spec"] for p in live(emulated, "plain"))
+    said = wait_for(lambda: condition(emulated, "plain"), "the GangScheduled condition", 30)
+    assert (said["status"], said["reason"]) == ("False", "PodGroupsNotServed")
+    emulated.run_pods("plain")
+    wait_for(lambda: emulated.status("plain").get("phase") == "Running", "the job Running", 30)

@@ -1,0 +1,361 @@
+"""``gangScheduling: Native`` in the pure parts: the spec, the PodGroup and pods the builders
+make, the reconciler's choice of group and its ``GangScheduled`` condition, and when the
+controller posts the PodGroup. The real scheduler's side is in tests/integration/test_gang.py."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from typing import Any
+
+import pytest
+
+from ddpjob_operator import api, builders
+from ddpjob_operator.controller import POD_GROUP_RECHECK_SECONDS, Controller, OperatorConfig
+from ddpjob_operator.errors import SpecError
+from ddpjob_operator.kube import ApiError, Credentials, KubeApi
+from ddpjob_operator.metrics import Metrics
+from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
+from ddpjob_operator.reconcile import CreatePod, Decision, Observed, reconcile
+
+from .jobs import manifest
+from .test_crd import cel_violations, schema
+
+T0 = dt.datetime(2026, 11, 26, 12, 0, tzinfo=dt.UTC)
+GANG = {"gangScheduling": "Native", "replicas": 3, "minReplicas": 2, "maxReplicas": 4}
+
+
+def make_job(**spec: Any) -> api.DDPJob:
+    return api.parse_job(manifest(**{**GANG, **spec}))
+
+
+def pod(index: int, phase: PodPhase = PodPhase.RUNNING, **kw: Any) -> ObservedPod:
+    kw.setdefault("uid", f"uid-{index}")
+    kw.setdefault("pod_group", "demo")
+    kw.setdefault("node", f"node-{index}" if phase is PodPhase.RUNNING else None)
+    return ObservedPod(name=f"demo-worker-{index}", index=index, phase=phase, **kw)
+
+
+def run(job: api.DDPJob, *pods: ObservedPod, served: bool | None = True) -> Decision:
+    return reconcile(job, Observed(tuple(pods), True, served), T0)
+
+
+def groups(decision: Decision) -> dict[int, Any]:
+    """Each created pod's schedulingGroup (None when it has none)."""
+    return {
+        a.index: a.pod["spec"].get("schedulingGroup")
+        for a in decision.actions
+        if isinstance(a, CreatePod)
+    }
+
+
+def gang_condition(decision: Decision) -> tuple[str, str, str] | None:
+    found = [c for c in decision.status.conditions if c.type == "GangScheduled"]
+    return (found[0].status, found[0].reason, found[0].message) if found else None
+
+
+# ---- the spec ------------------------------------------------------------------------------------
+
+
+def test_gang_scheduling_is_off_by_default_and_native_on_request() -> None:
+    assert api.parse_job(manifest()).spec.gang_scheduling is api.GangScheduling.NONE
+    assert make_job().spec.gang_scheduling is api.GangScheduling.NATIVE
+    with pytest.raises(SpecError, match=r"spec\.gangScheduling"):
+        make_job(gangScheduling="Volcano")
+
+
+def test_a_gang_and_a_template_group_of_ones_own_are_refused_with_the_fix() -> None:
+    document = manifest(**GANG)
+    document["spec"]["template"]["spec"]["schedulingGroup"] = {"podGroupName": "mine"}
+    with pytest.raises(SpecError) as caught:
+        api.parse_job(document)
+    assert "remove template.spec.schedulingGroup, or set gangScheduling: None" in str(caught.value)
+    # The API server refuses it too (the CRD's CEL rule), before any operator sees it...
+    assert cel_violations(schema(), document) == [
+        "gangScheduling: Native makes the job's own PodGroup: remove "
+        "template.spec.schedulingGroup, or set gangScheduling: None"
+    ]
+    # ...and a group of one's own without a gang is passed through as it is.
+    document["spec"]["gangScheduling"] = "None"
+    plain = api.parse_job(document)
+    assert builders.build_pod(plain, 0)["spec"]["schedulingGroup"] == {"podGroupName": "mine"}
+
+
+def test_gang_scheduling_cannot_change_while_the_job_runs() -> None:
+    """The pods' schedulingGroup is immutable: a change waits for a suspend."""
+    old, new = manifest(), manifest(gangScheduling="Native")
+    assert any("spec.gangScheduling cannot change" in v for v in cel_violations(schema(), new, old))
+    new["spec"]["suspend"] = True
+    assert cel_violations(schema(), new, old) == []
+
+
+# ---- the builders --------------------------------------------------------------------------------
+
+
+def test_the_pod_group_is_the_jobs_with_min_count_min_replicas_and_the_templates_priority() -> None:
+    document = manifest(**GANG)
+    document["spec"]["template"]["spec"]["priorityClassName"] = "research"
+    job = api.parse_job(document)
+    assert builders.build_pod_group(job) == {
+        "apiVersion": "scheduling.k8s.io/v1beta1",
+        "kind": "PodGroup",
+        "metadata": {
+            "name": "demo",
+            "namespace": "ml",
+            "labels": builders.labels(job),
+            "ownerReferences": builders.owner_references(job),
+        },
+        "spec": {"schedulingPolicy": {"gang": {"minCount": 2}}, "priorityClassName": "research"},
+    }
+    assert "priorityClassName" not in builders.build_pod_group(make_job())["spec"]
+
+
+def test_observe_reads_the_group_a_pod_names() -> None:
+    job = make_job()
+    ganged = builders.build_pod(job, 1, pod_group="demo")
+    assert ganged["spec"]["schedulingGroup"] == {"podGroupName": "demo"}
+    ganged["metadata"]["uid"] = "u1"
+    alone = builders.build_pod(job, 1)
+    alone["metadata"]["uid"] = "u2"
+    assert "schedulingGroup" not in alone["spec"]
+    seen = observe_pod(ganged), observe_pod(alone)
+    assert [p.pod_group if p is not None else "?" for p in seen] == ["demo", ""]
+
+
+# ---- the reconciler ------------------------------------------------------------------------------
+
+
+def test_new_pods_of_a_gang_name_its_group_and_wait_for_it() -> None:
+    decision = run(make_job())
+    assert groups(decision) == {i: {"podGroupName": "demo"} for i in range(3)}
+    assert gang_condition(decision) == ("False", "Waiting", "gang of 2 waits to be placed: 0 bound")
+    waiting = run(make_job(), pod(0, PodPhase.PENDING), pod(1, PodPhase.PENDING))
+    assert gang_condition(waiting) == ("False", "Waiting", "gang of 2 waits to be placed: 0 bound")
+
+
+def test_a_gang_the_scheduler_cannot_place_says_so_with_its_message() -> None:
+    message = "pod group is unschedulable, minCount (2) cannot be satisfied: 1 scheduled"
+    unschedulable = {"waiting_reason": "Unschedulable", "waiting_message": message}
+    decision = run(
+        make_job(),
+        pod(0, PodPhase.PENDING, **unschedulable),
+        pod(1, PodPhase.PENDING, **unschedulable),
+        pod(2, PodPhase.PENDING, **unschedulable),
+    )
+    assert gang_condition(decision) == (
+        "False",
+        "Unschedulable",
+        f"gang of 2 cannot be placed: {message}",
+    )
+    assert [(w.pod, w.reason) for w in decision.status.waiting] == [
+        (f"demo-worker-{i}", "Unschedulable") for i in range(3)
+    ]
+
+
+def test_a_placed_gang_stays_placed_while_extra_pods_wait_one_by_one() -> None:
+    extra = pod(2, PodPhase.PENDING, waiting_reason="Unschedulable", waiting_message="no room")
+    decision = run(make_job(), pod(0), pod(1), extra)
+    assert gang_condition(decision) == ("True", "Placed", "gang of 2 placed: 2 of 3 pods bound")
+    assert decision.status.phase is api.JobPhase.RUNNING
+
+
+def test_without_the_api_the_job_runs_without_a_gang_and_says_why() -> None:
+    decision = run(make_job(), served=False)
+    assert groups(decision) == {0: None, 1: None, 2: None}
+    status, reason, message = gang_condition(decision) or ("", "", "")
+    assert (status, reason) == ("False", "PodGroupsNotServed")
+    assert message.startswith("this cluster serves no scheduling.k8s.io/v1beta1 PodGroups")
+
+
+def test_pods_made_without_the_group_keep_new_pods_out_of_it() -> None:
+    """A grouped newcomer among ungrouped running pods would wait for a minCount it can never
+    reach alone: until the job's pods are all gone, new ones join the others without a gang."""
+    job = make_job()
+    decision = run(job, pod(0, pod_group=""), pod(1, pod_group=""))
+    assert groups(decision) == {2: None}
+    assert (gang_condition(decision) or ("", ""))[:2] == ("False", "PodsWithoutGroup")
+    # An ungrouped pod on its way out, or one not seen yet (pod_group None), does not count.
+    leaving = run(job, pod(0, pod_group="", deleting=True), pod(1), pod(2, pod_group=None))
+    assert groups(leaving) == {}
+    fresh = run(job, pod(0, pod_group="", deleting=True), pod(1))
+    assert groups(fresh) == {2: {"podGroupName": "demo"}}
+
+
+def test_a_job_without_a_gang_gets_no_group_and_no_condition() -> None:
+    job = api.parse_job(manifest(replicas=2))
+    decision = run(job, served=True)
+    assert groups(decision) == {0: None, 1: None}
+    assert gang_condition(decision) is None
+    # The local runner asks nothing (None): no condition either.
+    assert gang_condition(run(make_job(), pod(0), served=None)) is None
+
+
+# ---- the controller ------------------------------------------------------------------------------
+
+
+class GangKube:
+    """Records a pass's calls; answers discovery with ``served``."""
+
+    def __init__(self, body: dict[str, Any], served: bool) -> None:
+        self.body = body
+        self.served = served
+        self.calls: list[tuple[str, Any]] = []
+
+    async def pod_groups_served(self) -> bool:
+        self.calls.append(("discovery", None))
+        return self.served
+
+    async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
+        return {**self.body, "status": status}
+
+    async def create_service(self, ns: str, service: Any) -> None:
+        self.calls.append(("service", None))
+
+    async def create_secret(self, ns: str, secret: Any) -> None:
+        self.calls.append(("secret", None))
+
+    async def ensure_pod_group(self, ns: str, group: Any) -> None:
+        await asyncio.sleep(0.01)  # pods must still wait for it
+        self.calls.append(("podgroup", group["spec"]["schedulingPolicy"]["gang"]["minCount"]))
+
+    async def create_pod(self, ns: str, pod: Any) -> None:
+        self.calls.append(("pod", pod["spec"].get("schedulingGroup")))
+
+
+def one_pass(ctl: Controller, body: dict[str, Any], pods: list[Any] | None = None) -> None:
+    asyncio.run(
+        ctl.run_pass(
+            ("ml", "demo"),
+            body,
+            logging.getLogger("test"),
+            pods=lambda: pods or [],
+            service=lambda: True,
+            emit=lambda *event: None,
+        )
+    )
+
+
+def test_the_pod_group_comes_before_the_pods_and_is_posted_once() -> None:
+    body = manifest(**GANG)
+    body["metadata"]["resourceVersion"] = "1"
+    kube = GangKube(body, served=True)
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    one_pass(ctl, body)
+    group = {"podGroupName": "demo"}
+    assert [c for c in kube.calls if c[0] != "secret"] == [
+        ("discovery", None),
+        ("podgroup", 2),
+        ("pod", group),
+        ("pod", group),
+        ("pod", group),
+    ]
+    kube.calls.clear()
+    one_pass(ctl, body)
+    assert kube.calls == []  # discovery is kept, the group is made
+
+
+def test_a_gang_waiting_unbound_posts_its_group_again_now_and_then() -> None:
+    """A PodGroup someone deleted would leave the gang's pods unscheduled for ever."""
+    body = manifest(**GANG)
+    body["metadata"]["resourceVersion"] = "1"
+    ctl = Controller(GangKube(body, served=True), Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    one_pass(ctl, body)
+    key, job = ("ml", "demo"), make_job()
+    size, made_at = ctl._pod_groups[key]
+    assert size == 2
+    waiting = [ObservedPod("demo-worker-0", 0, "u0", PodPhase.PENDING, pod_group="demo")]
+    bound = [ObservedPod("demo-worker-0", 0, "u0", PodPhase.RUNNING, pod_group="demo", node="n")]
+    assert ctl._pod_group(key, job, True, waiting) is None  # posted just now
+    ctl._pod_groups[key] = (size, made_at - POD_GROUP_RECHECK_SECONDS - 1)
+    assert ctl._pod_group(key, job, True, waiting) == builders.build_pod_group(job)
+    assert ctl._pod_group(key, job, True, bound) is None  # nothing waits: nothing to repair
+    # A suspended job's minReplicas changed: the group is posted (and its minCount set) again.
+    assert ctl._pod_group(key, make_job(minReplicas=3), True, bound) is not None
+    assert ctl._pod_group(key, job, False, waiting) is None  # not served: never
+
+
+def test_without_the_api_no_group_is_posted_and_pods_have_none() -> None:
+    body = manifest(**GANG)
+    body["metadata"]["resourceVersion"] = "1"
+    kube = GangKube(body, served=False)
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    one_pass(ctl, body)
+    assert [c for c in kube.calls if c[0] not in ("secret", "service")] == [
+        ("discovery", None),
+        ("pod", None),
+        ("pod", None),
+        ("pod", None),
+    ]
+
+
+class Recording(KubeApi):
+    """A KubeApi whose requests go to ``answer`` (method, path, body) -> JSON or ApiError."""
+
+    def __init__(self, answer: Any) -> None:
+        super().__init__(
+            Credentials(server="http://127.0.0.1:9", token=lambda: None, ssl_context=False)
+        )
+        self.answer = answer
+        self.sent: list[tuple[str, str, Any]] = []
+
+    async def request(self, method: str, path: str, body: object = None, **_: Any) -> Any:
+        self.sent.append((method, path, body))
+        result = self.answer(method, path, body)
+        if isinstance(result, ApiError):
+            raise result
+        return result
+
+
+def test_an_existing_group_of_the_job_gets_the_min_count_and_a_foreign_one_is_refused() -> None:
+    job = make_job(minReplicas=3)
+    group = builders.build_pod_group(job)
+    path = "/apis/scheduling.k8s.io/v1beta1/namespaces/ml/podgroups"
+
+    def ours(method: str, path_: str, body: Any) -> Any:
+        if method == "POST":
+            return ApiError(409, "AlreadyExists", "podgroups demo exists")
+        return {
+            "metadata": {"name": "demo", "ownerReferences": group["metadata"]["ownerReferences"]}
+        }
+
+    kube = Recording(ours)
+    asyncio.run(kube.ensure_pod_group("ml", group))
+    assert [(m, p) for m, p, _ in kube.sent] == [
+        ("POST", path),
+        ("GET", f"{path}/demo"),
+        ("PATCH", f"{path}/demo"),
+    ]
+    assert kube.sent[-1][2] == {"spec": {"schedulingPolicy": {"gang": {"minCount": 3}}}}
+
+    def foreign(method: str, path_: str, body: Any) -> Any:
+        if method == "POST":
+            return ApiError(409, "AlreadyExists", "podgroups demo exists")
+        return {"metadata": {"name": "demo"}}
+
+    kube = Recording(foreign)
+    with pytest.raises(ApiError, match="PodGroup ml/demo exists and is not"):
+        asyncio.run(kube.ensure_pod_group("ml", group))
+    assert [m for m, _, _ in kube.sent] == ["POST", "GET"]  # never patched
+
+    forbidden = Recording(lambda *_: ApiError(403, "Forbidden", "podgroups is forbidden"))
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(forbidden.ensure_pod_group("ml", group))
+    assert "grant the operator create, get and patch on scheduling.k8s.io podgroups" in str(
+        caught.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("answer", "served"),
+    [
+        ({"resources": [{"name": "podgroups"}, {"name": "workloads"}]}, True),
+        ({"resources": [{"name": "workloads"}]}, False),
+        (ApiError(404, "NotFound", "the server could not find the requested resource"), False),
+    ],
+    ids=["served", "no-podgroups", "no-api-version"],
+)
+def test_discovery_tells_whether_pod_groups_are_served(answer: Any, served: bool) -> None:
+    kube = Recording(lambda *_: answer)
+    assert asyncio.run(kube.pod_groups_served()) is served
+    assert kube.sent == [("GET", "/apis/scheduling.k8s.io/v1beta1", None)]
