@@ -12,6 +12,8 @@ CPUs and every pod asks for 3: two pods per node, a *slot* each.
   deadlock), and is bound when the first finishes.
 * An elastic gang (``minReplicas: 2``, ``replicas: 5``) on 4 slots: real training at world 4,
   the 5th pod waiting alone.
+* A suspended gang resumes with a new ``minReplicas``: the same PodGroup, its ``minCount``
+  set to the new minimum.
 * Where PodGroups are not served (the emulator serves no ``scheduling.k8s.io``), the job says
   so in its ``GangScheduled`` condition and runs without a gang.
 """
@@ -276,3 +278,43 @@ def test_without_pod_groups_the_job_runs_without_a_gang_and_says_why(
     assert (said["status"], said["reason"]) == ("False", "PodGroupsNotServed")
     emulated.run_pods("plain")
     wait_for(lambda: emulated.status("plain").get("phase") == "Running", "the job Running", 30)
+
+
+def test_a_suspended_gang_resumes_with_its_new_minimum(real: RealEnv) -> None:
+    """minReplicas changes only across a suspend; the PodGroup's minCount follows it (the only
+    field of a PodGroup that may change), and the resumed pods join the same group."""
+    kube = real.k
+    pool(kube, 2)
+    real.start_operator()
+    real.create_job(
+        "resize", replicas=2, minReplicas=2, maxReplicas=4, gangScheduling="Native",
+        template=template(kube),
+    )  # fmt: skip
+    real.run_pods("resize")
+    group = real.get_object(PODGROUPS, real.namespace, "resize")
+    assert group is not None and group["spec"]["schedulingPolicy"]["gang"]["minCount"] == 2
+    real.patch_job("resize", {"spec": {"suspend": True}})
+    wait_for(lambda: live(real, "resize") == [], "the pods gone while suspended", timeout=60)
+    real.patch_job("resize", {"spec": {"minReplicas": 3, "replicas": 3}})
+    real.patch_job("resize", {"spec": {"suspend": False}})
+
+    def min_count() -> int:
+        found = real.get_object(PODGROUPS, real.namespace, "resize") or {}
+        return int(
+            found.get("spec", {}).get("schedulingPolicy", {}).get("gang", {}).get("minCount", 0)
+        )
+
+    wait_for(lambda: min_count() == 3, "the PodGroup's minCount set to 3", timeout=30)
+    assert (real.get_object(PODGROUPS, real.namespace, "resize") or {})["metadata"]["uid"] == group[
+        "metadata"
+    ]["uid"]
+    wait_for(lambda: len(bound(real, "resize")) == 3, "3 pods bound", timeout=60)
+    assert all(
+        p["spec"]["schedulingGroup"] == {"podGroupName": "resize"} for p in live(real, "resize")
+    )
+    placed = wait_for(
+        lambda: condition(real, "resize").get("status") == "True" and condition(real, "resize"),
+        "GangScheduled=True",
+        timeout=30,
+    )
+    assert placed["message"] == "gang of 3 placed: 3 of 3 pods bound"
