@@ -676,11 +676,23 @@ def test_recovers_scales_suspends_and_succeeds(
     assert [f["reason"] for f in status.get("failures", [])] == ["Deleted", "Deleted"]
     conditions = {c["type"]: c for c in status.get("conditions", [])}
     assert conditions["Succeeded"]["status"] == "True", conditions
-    # cleanPodPolicy Running (the default) keeps the finished pods, with their logs.
+    # cleanPodPolicy Running (the default) keeps the finished pods, with their logs. The job
+    # succeeds on its trainers' exit codes; a real kubelet gives the pod its terminal phase a
+    # moment later (it stops the sandbox first: seen 1-2 s on kind), so wait for the phase.
     pods = job.pods()
     assert sorted(pods) == [pod_name(0), pod_name(1)], job.describe()
-    for name, finished in pods.items():
-        assert finished["status"]["phase"] == "Succeeded", job.describe()
+    pods = wait_until(
+        lambda: (
+            found
+            if sorted(found := job.pods()) == [pod_name(0), pod_name(1)]
+            and all(p.get("status", {}).get("phase") == "Succeeded" for p in found.values())
+            else None
+        ),
+        timeout=RECOVERY_TIMEOUT,
+        what="both finished pods kept, with phase Succeeded",
+        describe=job.describe,
+    )
+    for name in pods:
         done = DONE_RE.search(kube.logs(name))
         assert done is not None and int(done.group(1)) == STEPS, f"{name}: no `DDPJOB done`"
     reasons = job.event_reasons()
