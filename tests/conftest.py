@@ -1,4 +1,5 @@
-"""Fixtures every tier may use: the real control plane (:mod:`tests.kube.fixtures`)."""
+"""Fixtures every tier may use: the real control plane (:mod:`tests.kube.fixtures`) and the
+real Kueue controller on it (:mod:`tests.kueue.fixtures`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections.abc import Generator
 import pytest
 
 from tests.kube.fixtures import control_plane_report, kube, kube_cluster
+from tests.kueue.fixtures import kueue, kueue_queues
 
-__all__ = ["kube", "kube_cluster"]
+__all__ = ["kube", "kube_cluster", "kueue", "kueue_queues"]
 
 
 @pytest.hookimpl(wrapper=True)

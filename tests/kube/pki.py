@@ -188,3 +188,55 @@ def self_signed(directory: Path, name: str, ips: Iterable[str]) -> tuple[Path, P
     )
     cert_path = _write(directory / f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, _write(directory / f"{name}.key", _pem_key(key))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingCert:
+    """A serving certificate and the fresh CA that signed it (a webhook's ``caBundle``)."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+def serving_cert(
+    directory: Path, name: str, *, ips: Iterable[str] = ("127.0.0.1",), dns: Iterable[str] = ()
+) -> ServingCert:
+    """A fresh CA (``ca.crt``) and a serving certificate it signed for ``ips`` and ``dns``
+    (``tls.crt``, ``tls.key``: the names a controller-runtime ``certDir`` expects)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    ca_key = _key()
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name}-ca")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = _key()
+    alt: list[x509.GeneralName] = [x509.DNSName(n) for n in (name, *dns)]
+    alt += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + VALIDITY)
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    return ServingCert(
+        ca_cert=_write(directory / "ca.crt", ca.public_bytes(pem), 0o644),
+        cert=_write(directory / "tls.crt", cert.public_bytes(pem), 0o644),
+        key=_write(directory / "tls.key", _pem_key(key)),
+    )
