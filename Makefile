@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXAMPLE ?= examples/quickstart.yaml
 
-.PHONY: run validate test lint kube kube-up kind kind-up unit integration e2e bench crd manifests clean images-offline
+.PHONY: run validate test lint kube kueue kube-up kind kind-up unit integration e2e bench crd manifests clean images-offline
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint kube  ## Everything that can run here: lint, types, layers, unit, integration on the emulator and on the real control plane (kind e2e skips itself without kind)
+test: lint kube kueue  ## Everything that can run here: lint, types, layers, unit, integration on the emulator and on the real control plane (kind e2e skips itself without kind)
 	$(BIN)/python -m pytest -q
 
 # The real control plane (tests/kube): etcd, kube-apiserver, kube-controller-manager and
@@ -33,6 +33,11 @@ test: lint kube  ## Everything that can run here: lint, types, layers, unit, int
 # Needs Go (the go line of hack/kube/go.mod) and the Go module proxy; builds only what is missing.
 kube: $(STAMP)  ## Build the real control plane's binaries from Go modules (hack/kube)
 	$(BIN)/python -m tests.kube build
+
+# Kueue's controller (tests/kueue), built from the Go module pinned in hack/kueue into
+# .cache/kueue/<version>-<hash>/bin; the integration tests run it against the real control plane.
+kueue: $(STAMP)  ## Build Kueue's controller from its Go module (hack/kueue)
+	$(BIN)/python -m tests.kueue build
 
 kube-up: kube  ## Start the real control plane with 3 process-kubelet nodes; prints KUBECONFIG=..., Ctrl-C stops it
 	$(BIN)/python -m tests.kube up
