@@ -221,6 +221,16 @@ class Component:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited after ``timeout`` seconds."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=timeout)
+
     def tail(self, lines: int = 40) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
@@ -751,14 +761,7 @@ class ControlPlane:
         ]
         order += [n for n in ("kube-apiserver", "etcd") if n in self.components]
         for name in order:
-            component = self.components[name]
-            if component.alive():
-                component.process.send_signal(signal.SIGTERM)
-            try:
-                component.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                component.process.kill()
-                component.process.wait(timeout=10)
+            self.components[name].stop()
         if self.octet:
             _release_pod_range(self.octet)
             self.octet = 0

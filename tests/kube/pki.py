@@ -67,23 +67,24 @@ class Pki:
         return self.tokens[user]
 
 
-def make_pki(directory: Path, *, ips: Iterable[str], nodes: Sequence[str]) -> Pki:
-    """Write a fresh CA, serving certificate (for ``ips`` and the kubernetes Service names),
-    service-account key pair and static token file into ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
-    ca_key = _key()
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ddpjob-test-ca")])
-    ca = (
+def _authority(
+    name: str, now: dt.datetime, *, usage: bool = False
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh CA key and self-signed CA certificate (``usage``: with a KeyUsage extension)."""
+    key = _key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now)
         .not_valid_after(now + VALIDITY)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
+    )
+    if usage:
+        builder = builder.add_extension(
             x509.KeyUsage(
                 digital_signature=True,
                 key_cert_sign=True,
@@ -97,18 +98,26 @@ def make_pki(directory: Path, *, ips: Iterable[str], nodes: Sequence[str]) -> Pk
             ),
             critical=True,
         )
-        .sign(ca_key, hashes.SHA256())
-    )
-    serving_key = _key()
-    names = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"]
-    names.append(f"kubernetes.default.svc.{CLUSTER_DOMAIN}")
-    alt: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
+    return key, builder.sign(key, hashes.SHA256())
+
+
+def _serving(
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca: x509.Certificate,
+    name: str,
+    dns: Iterable[str],
+    ips: Iterable[str],
+    now: dt.datetime,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A fresh key and a serving certificate for ``dns`` and ``ips``, signed by the CA."""
+    key = _key()
+    alt: list[x509.GeneralName] = [x509.DNSName(n) for n in dns]
     alt += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-    serving = (
+    cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
-        .issuer_name(ca_name)
-        .public_key(serving_key.public_key())
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now)
         .not_valid_after(now + VALIDITY)
@@ -116,6 +125,18 @@ def make_pki(directory: Path, *, ips: Iterable[str], nodes: Sequence[str]) -> Pk
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), False)
         .sign(ca_key, hashes.SHA256())
     )
+    return key, cert
+
+
+def make_pki(directory: Path, *, ips: Iterable[str], nodes: Sequence[str]) -> Pki:
+    """Write a fresh CA, serving certificate (for ``ips`` and the kubernetes Service names),
+    service-account key pair and static token file into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    ca_key, ca = _authority("ddpjob-test-ca", now, usage=True)
+    names = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"]
+    names.append(f"kubernetes.default.svc.{CLUSTER_DOMAIN}")
+    serving_key, serving = _serving(ca_key, ca, "kube-apiserver", names, ips, now)
     sa_key = _key()
     tokens = {"admin": secrets.token_hex(16)}
     lines = [f"{tokens['admin']},admin,admin,system:masters"]
@@ -206,34 +227,8 @@ def serving_cert(
     (``tls.crt``, ``tls.key``: the names a controller-runtime ``certDir`` expects)."""
     directory.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
-    ca_key = _key()
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name}-ca")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = _key()
-    alt: list[x509.GeneralName] = [x509.DNSName(n) for n in (name, *dns)]
-    alt += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + VALIDITY)
-        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), False)
-        .sign(ca_key, hashes.SHA256())
-    )
+    ca_key, ca = _authority(f"{name}-ca", now)
+    key, cert = _serving(ca_key, ca, name, [name, *dns], ips, now)
     pem = serialization.Encoding.PEM
     return ServingCert(
         ca_cert=_write(directory / "ca.crt", ca.public_bytes(pem), 0o644),

@@ -35,7 +35,6 @@ import base64
 import contextlib
 import dataclasses
 import json
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -249,14 +248,8 @@ class Kueue:
             with contextlib.suppress(ApiError):
                 admin.delete(f"/apis/admissionregistration.k8s.io/v1/{plural}/{name}")
         self.webhooks = []
-        component = self.component
-        if component is not None and component.alive():
-            component.process.send_signal(signal.SIGTERM)
-            try:
-                component.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                component.process.kill()
-                component.process.wait(timeout=10)
+        if self.component is not None and self.component.alive():
+            self.component.stop()
 
     def __enter__(self) -> Kueue:
         return self.start()
