@@ -11,7 +11,7 @@ CPUs and every pod asks for 3: two pods per node, a *slot* each.
 * Two gangs of 4 on 6 slots: one is bound whole, the other waits with none bound (no 3 + 3
   deadlock), and is bound when the first finishes.
 * An elastic gang (``minReplicas: 2``, ``replicas: 5``) on 4 slots: real training at world 4,
-  the 5th pod waiting alone.
+  the 5th pod waiting alone; a pod of it deleted, and the freed slot is filled by one pod alone.
 * A suspended gang resumes with a new ``minReplicas``: the same PodGroup, its ``minCount``
   set to the new minimum.
 * Where PodGroups are not served (the emulator serves no ``scheduling.k8s.io``), the job says
@@ -258,6 +258,20 @@ def test_an_elastic_gang_trains_at_the_size_the_cluster_has_room_for(
     assert status["phase"] == "Running"
     [left] = [p["metadata"]["name"] for p in live(env, "elastic") if not p["spec"].get("nodeName")]
     assert [(w["pod"], w["reason"]) for w in status["waiting"]] == [(left, "Unschedulable")]
+
+    # A pod of the placed gang fails: the gang stays placed (3 bound >= 2), and the freed slot
+    # goes to one pod alone (the replacement or the 5th), with no gang to wait for.
+    victim = next(m for m in members if not m.endswith("-0"))
+    uid = (env.pod(victim) or {})["metadata"]["uid"]
+    assert env.delete_pod(victim) == 200
+
+    def refilled() -> bool:
+        pods = {p["metadata"]["name"]: p for p in live(env, "elastic")}
+        gone = victim not in pods or pods[victim]["metadata"]["uid"] != uid
+        return gone and len(bound(env, "elastic")) == 4
+
+    wait_for(refilled, "4 pods bound again after one was deleted", timeout=90)
+    assert condition(env, "elastic")["status"] == "True"
 
 
 @pytest.fixture
