@@ -513,8 +513,10 @@ class ControlPlane:
 
     def _start_node(self, index: int) -> None:
         name = self.node_name(index)
-        # The pod range is this node's again (a lost node's was answered for by the hub).
+        # The pod range is this node's again (a lost node's was answered for by the hub), and
+        # no port of an earlier node of this range is left to collide with its pods' veths.
         network.answer_for(self.octet, self.pod_cidr(index), on=False)
+        network.remove_ports(self.octet, self.pod_cidr(index))
         kubeconfig = self.kubeconfigs[f"system:node:{name}"]
         root = self.workdir / "nodes" / name
         root.mkdir(parents=True, exist_ok=True)

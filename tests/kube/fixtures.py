@@ -157,6 +157,7 @@ def kube(kube_cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator
         yield test
     finally:
         test.stop_operators()
+        test.release_pods()
         test.restore_nodes()
         for name in [namespace, *test.namespaces]:
             kubectl_run(kube_cluster, "delete", "namespace", name, "--wait=false", check=False)
@@ -277,6 +278,22 @@ class KubeTest:
         for name in self.lost:
             if name not in self.spares:
                 self.cluster.revive_node(name)
+
+    def release_pods(self) -> None:
+        """Remove every finalizer from the pods of the test's namespaces, once its operators
+        are stopped: nobody else would, and the namespaces could never go (pods left pending
+        by a test stay in the scheduler's queue for the rest of the session)."""
+        for namespace in [self.namespace, *self.namespaces]:
+            try:
+                found = self.api.get(f"/api/v1/namespaces/{namespace}/pods")
+            except ApiError:
+                continue
+            for pod in found.get("items") or []:
+                if not pod["metadata"].get("finalizers"):
+                    continue
+                path = f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}"
+                with contextlib.suppress(ApiError):
+                    self.api.patch(path, {"metadata": {"finalizers": None}}, kind="merge-patch")
 
     def _clear_node(self, name: str) -> None:
         """Delete every pod bound to a spare node, finalizers and all: a spare node's name is

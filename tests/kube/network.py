@@ -151,6 +151,17 @@ def set_ports(octet: int, cidr: str, *, up: bool) -> list[str]:
     raise AssertionError("unreachable")
 
 
+def remove_ports(octet: int, cidr: str) -> list[str]:
+    """Delete the bridge ports of ``cidr``'s pods that are left over from a node that is gone
+    (their pods' namespaces not torn down yet): a new node of that range gives its pods the
+    same addresses, and a stale port of the same name would refuse their veths."""
+    ports = _ports(octet, cidr)
+    if ports:
+        with contextlib.suppress(NetworkError):
+            _batch([f"link del {port}" for port in ports], netns=hub(octet))
+    return ports
+
+
 def _ports(octet: int, cidr: str) -> list[str]:
     listed = subprocess.run(
         ["ip", "-n", hub(octet), "-o", "link", "show", "master", "br0"],
