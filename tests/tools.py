@@ -202,10 +202,12 @@ _WRAPPERS: dict[str, tuple[tuple[str, ...], int]] = {
     "create": (("POST", "GET {name}"), 0),
     "_create_or_say": (("POST", "GET {name}"), 1),
     "_delete": (("DELETE",), 0),
+    "served_resources": (("GET",), 0),
 }
 """How the wrappers of KubeApi.request map to calls on their path (and which argument the path
 is): ``create`` posts, and reads the object of that name when it exists already (to check its
-owner); ``_create_or_say`` is ``create`` with a 403 explained."""
+owner); ``_create_or_say`` is ``create`` with a 403 explained; ``served_resources`` reads a
+group version's discovery document."""
 
 
 def _constants() -> dict[str, str]:

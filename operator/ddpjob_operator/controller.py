@@ -426,9 +426,7 @@ class Controller:
         that this operator has not made yet at this size, or has pods of the gang waiting
         unbound (then at most every :data:`POD_GROUP_RECHECK_SECONDS`)."""
         if not served or job.status.phase.is_finished or job.metadata.deletion_timestamp:
-            return None
-        if job.spec.gang_scheduling is not api.GangScheduling.NATIVE:
-            return None
+            return None  # ``served`` is None for a job that wants no gang
         made = self._pod_groups.get(key)
         if made is not None and made[0] == job.spec.effective_min:
             name = builders.pod_group_name(job.name)

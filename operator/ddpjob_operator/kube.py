@@ -180,19 +180,26 @@ class KubeApi:
 
     # ---- the calls the operator makes ----------------------------------------------------
 
-    async def check_crd(self) -> None:
-        """Refuse to start without the DDPJob CRD (discovery: no extra RBAC needed)."""
+    async def served_resources(self, group_version_path: str) -> set[str] | None:
+        """The resources an API group version serves (discovery: no RBAC needed), or None when
+        the server does not serve that group version at all (404)."""
         try:
-            resources = await self.request("GET", JOBS)
+            resources = await self.request("GET", group_version_path)
         except ApiError as exc:
             if exc.status == 404:
-                raise CrdMissingError(
-                    f"the DDPJob CRD ({api.PLURAL}.{api.GROUP}, {api.VERSION}) is not installed in "
-                    "this cluster: kubectl apply -f deploy/crd.yaml (or install the Helm chart), "
-                    "then start the operator again"
-                ) from exc
+                return None
             raise
-        names = {r.get("name") for r in resources.get("resources") or []}
+        return {str(r.get("name")) for r in resources.get("resources") or []}
+
+    async def check_crd(self) -> None:
+        """Refuse to start without the DDPJob CRD."""
+        names = await self.served_resources(JOBS)
+        if names is None:
+            raise CrdMissingError(
+                f"the DDPJob CRD ({api.PLURAL}.{api.GROUP}, {api.VERSION}) is not installed in "
+                "this cluster: kubectl apply -f deploy/crd.yaml (or install the Helm chart), "
+                "then start the operator again"
+            )
         if api.PLURAL not in names:
             raise CrdMissingError(
                 f"{JOBS} does not serve {api.PLURAL}: the CRD is not the one this operator needs; "
@@ -298,14 +305,8 @@ class KubeApi:
         )
 
     async def pod_groups_served(self) -> bool:
-        """The cluster serves native PodGroups (discovery: no extra RBAC needed)."""
-        try:
-            resources = await self.request("GET", f"/apis/{api.POD_GROUP_API}")
-        except ApiError as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return "podgroups" in {r.get("name") for r in resources.get("resources") or []}
+        """The cluster serves native PodGroups."""
+        return "podgroups" in (await self.served_resources(f"/apis/{api.POD_GROUP_API}") or ())
 
     async def ensure_pod_group(self, namespace: str, group: JSON) -> None:
         """Create the job's PodGroup; if it is there already, set its ``minCount`` (the only

@@ -950,58 +950,38 @@ def _gang_condition(
     """``GangScheduled``, for a job that asks for a gang (others never get it)."""
     if job.spec.gang_scheduling is not api.GangScheduling.NATIVE or pod_groups is None:
         return list(conditions)
-    gang = job.spec.effective_min
+    placed, reason, message = _gang_state(job.spec.effective_min, pod_groups, pod_group, live)
+    return set_condition(conditions, ConditionType.GANG_SCHEDULED, placed, reason, message, now)
+
+
+def _gang_state(
+    gang: int, pod_groups: bool, pod_group: str | None, live: Sequence[ObservedPod]
+) -> tuple[bool, str, str]:
+    """(placed, reason, message) of a gang of ``gang`` pods."""
     if not pod_groups:
-        return set_condition(
-            conditions,
-            ConditionType.GANG_SCHEDULED,
+        return (
             False,
             "PodGroupsNotServed",
             f"this cluster serves no {api.POD_GROUP_API} PodGroups (Kubernetes 1.37+ "
             "with the GenericWorkload feature gate and that API version on): the job runs "
             "without a gang, its pods placed one by one",
-            now,
         )
     if pod_group is None:
-        return set_condition(
-            conditions,
-            ConditionType.GANG_SCHEDULED,
+        return (
             False,
             "PodsWithoutGroup",
             "pods made before the cluster served PodGroups still run: new pods join them "
             "without a gang (suspend and resume the job to form one)",
-            now,
         )
     bound = sum(p.node is not None for p in live)
     if bound >= gang:
-        return set_condition(
-            conditions,
-            ConditionType.GANG_SCHEDULED,
-            True,
-            "Placed",
-            f"gang of {gang} placed: {bound} of {len(live)} pods bound",
-            now,
-        )
+        return True, "Placed", f"gang of {gang} placed: {bound} of {len(live)} pods bound"
     refused = next(
         (p for p in live if p.node is None and p.waiting_reason == "Unschedulable"), None
     )
     if refused is not None:
-        return set_condition(
-            conditions,
-            ConditionType.GANG_SCHEDULED,
-            False,
-            "Unschedulable",
-            f"gang of {gang} cannot be placed: {refused.waiting_message}",
-            now,
-        )
-    return set_condition(
-        conditions,
-        ConditionType.GANG_SCHEDULED,
-        False,
-        "Waiting",
-        f"gang of {gang} waits to be placed: {bound} bound",
-        now,
-    )
+        return False, "Unschedulable", f"gang of {gang} cannot be placed: {refused.waiting_message}"
+    return False, "Waiting", f"gang of {gang} waits to be placed: {bound} bound"
 
 
 def _held(pod: ObservedPod) -> PodWaiting:
