@@ -58,6 +58,8 @@ a pod that is force-deleted or garbage-collected is still counted exactly once (
 controller's ``batch.kubernetes.io/job-tracking``)."""
 POD_GROUP_API = "scheduling.k8s.io/v1beta1"
 """The native gang API (Kubernetes 1.37: beta, behind the ``GenericWorkload`` feature gate)."""
+KUEUE_API = "kueue.x-k8s.io/v1beta2"
+"""Kueue's Workloads (v0.19+; its storage version), ResourceFlavors and WorkloadPriorityClasses."""
 STORE_KEY_ENV = "DDPJOB_STORE_KEY"
 """The trainer's env var holding the job's store key: the agent HMAC-signs what it writes to
 the rendezvous store with it. The operator fills it from the job's store-key Secret
@@ -647,6 +649,9 @@ class JobPhase(enum.StrEnum):
     RUNNING = "Running"
     RESTARTING = "Restarting"
     SUSPENDED = "Suspended"
+    QUEUED = "Queued"
+    """A Kueue job (``kueue.x-k8s.io/queue-name``) that Kueue has not admitted, or evicted: it
+    has no pods, and waits in its queue."""
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
 
@@ -667,6 +672,11 @@ class ConditionType(enum.StrEnum):
     are bound together; False while they wait for room (reason ``Unschedulable``, with the
     scheduler's message), or when the cluster serves no PodGroups (``PodGroupsNotServed``: the
     job runs without a gang)."""
+    ADMITTED = "Admitted"
+    """Only for a Kueue job (label ``kueue.x-k8s.io/queue-name``): True while Kueue admits its
+    Workload (the message names the ClusterQueue, the flavors and the admitted size); False
+    while it waits in line (``Queued``, ``Inactive``) or after an eviction (``Preempted``, and
+    Kueue's other eviction reasons)."""
     INVALID_SPEC = "InvalidSpec"
     """True while the operator cannot parse the spec (it then acts on nothing). Not terminal:
     fixing the spec clears it and the job goes on."""

@@ -488,6 +488,17 @@ def _secure_pod(spec: JSON, profile: api.SecurityProfile) -> None:
             spec[key] = [_secure_container(c, profile) for c in spec[key]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """What an admission by Kueue adds to every new pod: the admitted flavors' node labels
+    and tolerations, and Kueue's own labels and annotations."""
+
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tolerations: tuple[JSON, ...] = ()
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
 def build_pod(
     job: api.DDPJob,
     index: int,
@@ -495,8 +506,13 @@ def build_pod(
     default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
     store_key: bool = True,
     pod_group: str | None = None,
+    placement: Placement | None = None,
 ) -> JSON:
     """Pod ``index`` of the job, complete. Pod 0 hosts the c10d store.
+
+    ``placement``: what Kueue's admission adds (a job with ``kueue.x-k8s.io/queue-name``). A
+    flavor's node label wins over the template's ``nodeSelector`` entry of the same key: the
+    quota was taken on that flavor.
 
     ``pod_group``: the PodGroup the pod joins (``spec.schedulingGroup``), for a job with
     ``gangScheduling: Native`` on a cluster that serves PodGroups.
@@ -533,8 +549,16 @@ def build_pod(
     if pod_group is not None:
         spec["schedulingGroup"] = {"podGroupName": pod_group}
     _secure_pod(spec, security_profile(job.spec, default_profile))
-    meta = _metadata(job, pod_name(job.name, index), index, template.metadata.labels or {})
+    extra_labels = dict(template.metadata.labels or {})
+    annotations = dict(template.metadata.annotations or {})
+    if placement is not None:
+        if placement.node_selector:
+            spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), **placement.node_selector}
+        spec["tolerations"] += [t for t in placement.tolerations if t not in spec["tolerations"]]
+        extra_labels.update(placement.labels)
+        annotations.update(placement.annotations)
+    meta = _metadata(job, pod_name(job.name, index), index, extra_labels)
     meta["finalizers"] = [api.POD_FINALIZER]
-    if template.metadata.annotations:
-        meta["annotations"] = dict(template.metadata.annotations)
+    if annotations:
+        meta["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}

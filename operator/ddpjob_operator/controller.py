@@ -12,7 +12,10 @@ per job and wake it on every event of the job, its pods and its Service. A pass:
 4. carries out the actions (independent ones concurrently), then emits the events;
 5. sleeps until the next event, or until ``requeue_after`` when a time-based rule is due.
 
-There is no polling: a job with nothing due makes no API request at all. Nothing here holds
+There is no polling: a job with nothing due makes no API request at all, except a Kueue job
+(label ``kueue.x-k8s.io/queue-name``), whose Workloads are read on every pass, every
+:data:`QUEUE_POLL_SECONDS` while it waits on Kueue and every :data:`QUEUE_WATCH_SECONDS` while it
+is admitted (an eviction is seen that late at most). Nothing here holds
 state that matters across a restart: counts and intents are in the job's status and in the pods'
 finalizers, so the operator can be killed at any point and resume.
 """
@@ -28,13 +31,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from ddpjob_operator import agents, api, builders
+from ddpjob_operator import agents, api, builders, queue
 from ddpjob_operator.errors import SpecError
-from ddpjob_operator.kube import ApiError, ConflictError, KubeApi
+from ddpjob_operator.kube import ApiError, ConflictError, KubeApi, controller_uid
 from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 from ddpjob_operator.reconcile import (
     INVALID_SPEC,
+    UNBOUNDED,
     Action,
     CreatePod,
     CreateService,
@@ -43,6 +47,7 @@ from ddpjob_operator.reconcile import (
     DeletePod,
     Observed,
     RemoveFinalizer,
+    desired_replicas,
     reconcile,
 )
 
@@ -58,6 +63,14 @@ want a gang)."""
 POD_GROUP_RECHECK_SECONDS = 30.0
 """While pods of a gang wait unbound, the job's PodGroup is posted again this often: a group
 someone deleted is made again (pods that name a missing group are never scheduled)."""
+QUEUE_POLL_SECONDS = 2.0
+"""How often a Kueue job's Workloads are read while it waits on Kueue (to be admitted, for a
+bigger slice, or to give back an evicted one's quota)."""
+QUEUE_WATCH_SECONDS = 5.0
+"""How often an admitted Kueue job's Workload is read (a preemption is seen that late at most;
+the preemptor waits until the evicted job's pods are gone)."""
+FLAVOR_SECONDS = 60.0
+"""How long a ResourceFlavor read is kept."""
 STUCK_PASS_SECONDS = 120.0
 """A pass running longer than this makes the liveness probe fail."""
 MAX_FAILED_ACTION_EVENTS = 10
@@ -162,6 +175,9 @@ class Controller:
         self._pod_groups: dict[Key, tuple[int, float]] = {}
         """The minCount of each job's PodGroup as last made or set, and when."""
         self._pod_groups_served: tuple[bool, float] | None = None
+        self._workloads_served: tuple[bool, float] | None = None
+        self._flavors: dict[str, tuple[JSON | None, float]] = {}
+        self._priorities: dict[Key, queue.Priority] = {}
         self._expected: dict[Key, Expectations] = {}
         self._ignored: dict[Key, list[str]] = {}
 
@@ -213,6 +229,7 @@ class Controller:
             self._policies.discard(key)
             self._store_keys.discard(key)
             self._pod_groups.pop(key, None)
+            self._priorities.pop(key, None)
             self._expected.pop(key, None)
             self._ignored.pop(key, None)
             self.metrics.set_phases(self._phases)
@@ -283,7 +300,10 @@ class Controller:
             port = builders.CLUSTER.directory_port(job, 0)
             seen = agents.apply(seen, await agents.ask_pods(seen, port))
         served = await self._serves_pod_groups(job)
-        observed = Observed(seen + expected.pending_pods(_index_of), service(), served)
+        everyone = seen + expected.pending_pods(_index_of)
+        kueue = await self._queue(key, job, [p for p in everyone if p.owned_by(job.metadata.uid)])
+        admission = kueue.admission if kueue is not None else None
+        observed = Observed(everyone, service(), served, admission)
         decision = reconcile(
             job,
             observed,
@@ -307,6 +327,7 @@ class Controller:
                 self._network_policy(key, job),
                 self._store_key_secret(key, job),
                 self._pod_group(key, job, served, seen),
+                kueue.actions if kueue is not None else (),
             )
         except ActionsFailedError as exc:
             # The API refused something (say, a pod the CRD schema let through but the API
@@ -324,9 +345,16 @@ class Controller:
         for event in decision.events:
             emit(event.type, event.reason, event.message)
         _log_decision(logger, decision)
+        for action in kueue.actions if kueue is not None else ():
+            logger.info("Kueue: %s", _describe_workload(action))
+        due = decision.requeue_after
         if self.config.ask_agents and any(p.live for p in seen):
-            return min(decision.requeue_after or agents.ASK_EVERY_SECONDS, agents.ASK_EVERY_SECONDS)
-        return decision.requeue_after
+            due = min(due or agents.ASK_EVERY_SECONDS, agents.ASK_EVERY_SECONDS)
+        if (kueue is not None and not job.status.phase.is_finished) or (kueue and kueue.actions):
+            waits = kueue.actions or not kueue.admission.admitted
+            poll = QUEUE_POLL_SECONDS if waits else QUEUE_WATCH_SECONDS
+            due = min(due or poll, poll)
+        return due
 
     async def _write_status(self, key: Key, raw: JSON, status: JSON) -> None:
         version = str(raw.get("metadata", {}).get("resourceVersion", ""))
@@ -419,6 +447,89 @@ class Controller:
             self._pod_groups_served = known
         return known[0]
 
+    async def _queue(self, key: Key, job: api.DDPJob, pods: list[ObservedPod]) -> queue.Plan | None:
+        """What Kueue admits and what to write to the job's Workloads (a Kueue job; else None)."""
+        name = queue.queue_name(job)
+        if name is None:
+            return None
+        if not await self._serves_workloads():
+            message = (
+                f"the job names LocalQueue {name} ({queue.QUEUE_LABEL}), but this cluster "
+                f"serves no {api.KUEUE_API} Workloads (is Kueue installed?): it runs without Kueue"
+            )
+            return queue.Plan(
+                queue.Admission(UNBOUNDED, builders.Placement(), False, "KueueNotServed", message),
+                (),
+            )
+        uid = job.metadata.uid or ""
+        try:
+            listed = await self.kube.list_workloads(key[0], uid)
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            message = (
+                f"the operator may not read Kueue's Workloads ({exc}): install the chart with "
+                "kueue.enabled: true, or remove the label to run the job without Kueue; no pod "
+                "is created until then"
+            )
+            return queue.Plan(queue.Admission(0, None, False, "KueueForbidden", message), ())
+        slices = [queue.Slice.of(w) for w in listed if controller_uid(w) == uid]
+        flavors: dict[str, JSON] = {}
+        for flavor in sorted({f for s in slices if s.reserved for f in s.flavors}):
+            found = await self._flavor(flavor)
+            if found is not None:
+                flavors[flavor] = found
+        priority = await self._priority(key, job)
+        if isinstance(priority, str):
+            return queue.Plan(
+                queue.Admission(0, None, False, "PriorityClassNotFound", priority), ()
+            )
+        now = dt.datetime.now(dt.UTC)
+        desired = desired_replicas(job.spec)
+        return queue.plan(job, slices, pods, flavors, desired, priority, now)
+
+    async def _serves_workloads(self) -> bool:
+        now = time.monotonic()
+        known = self._workloads_served
+        if known is None or now - known[1] > POD_GROUPS_CHECK_SECONDS:
+            known = (await self.kube.workloads_served(), now)
+            self._workloads_served = known
+        return known[0]
+
+    async def _flavor(self, name: str) -> JSON | None:
+        now = time.monotonic()
+        known = self._flavors.get(name)
+        if known is None or now - known[1] > FLAVOR_SECONDS:
+            known = (await self.kube.get_resource_flavor(name), now)
+            self._flavors[name] = known
+        return known[0]
+
+    async def _priority(self, key: Key, job: api.DDPJob) -> queue.Priority | str:
+        """The Workload's priority, as Kueue's job framework takes it: the job's
+        ``kueue.x-k8s.io/priority-class`` (a WorkloadPriorityClass), else the template's
+        ``priorityClassName``; else 0. A class that does not exist: why, as a message."""
+        known = self._priorities.get(key)
+        if known is not None:
+            return known
+        kueue_class = (job.metadata.labels or {}).get(queue.PRIORITY_CLASS_LABEL)
+        pod_class = (job.spec.template.spec.model_extra or {}).get("priorityClassName")
+        if kueue_class:
+            value = await self.kube.priority_value(True, kueue_class)
+            ref = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": kueue_class}
+            where = f"WorkloadPriorityClass {kueue_class} ({queue.PRIORITY_CLASS_LABEL})"
+        elif pod_class:
+            value = await self.kube.priority_value(False, str(pod_class))
+            ref = {"group": "scheduling.k8s.io", "kind": "PriorityClass", "name": str(pod_class)}
+            where = f"PriorityClass {pod_class} (spec.template.spec.priorityClassName)"
+        else:
+            value, ref = 0, None
+            where = ""
+        if value is None:
+            return f"{where} does not exist: create it, or name another; no Workload until then"
+        priority = queue.Priority(value, ref)
+        self._priorities[key] = priority
+        return priority
+
     def _pod_group(
         self, key: Key, job: api.DDPJob, served: bool | None, seen: Iterable[ObservedPod]
     ) -> JSON | None:
@@ -435,6 +546,33 @@ class Controller:
                 return None
         return builders.build_pod_group(job)
 
+    def _prerequisites(
+        self, key: Key, policy: JSON | None, secret: JSON | None, pod_group: JSON | None
+    ) -> list[tuple[Any, Callable[[], None]]]:
+        """The NetworkPolicy, the store-key Secret and the PodGroup: made before any pod."""
+        namespace = key[0]
+        first: list[tuple[Any, Callable[[], None]]] = []
+        if policy is not None:
+            first.append(
+                (
+                    self.kube.create_network_policy(namespace, policy),
+                    lambda: self._policies.add(key),
+                )
+            )
+        if secret is not None:
+            first.append(
+                (self.kube.create_secret(namespace, secret), lambda: self._store_keys.add(key))
+            )
+        if pod_group is not None:
+            size = int(pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"])
+            first.append(
+                (
+                    self.kube.ensure_pod_group(namespace, pod_group),
+                    lambda: self._pod_groups.__setitem__(key, (size, time.monotonic())),
+                )
+            )
+        return first
+
     async def _execute(
         self,
         key: Key,
@@ -445,6 +583,7 @@ class Controller:
         policy: JSON | None = None,
         secret: JSON | None = None,
         pod_group: JSON | None = None,
+        workloads: Iterable[queue.WorkloadAction] = (),
     ) -> None:
         """The Service, the NetworkPolicy, the store-key Secret and the PodGroup first; then
         deletes and finalizer removals; then creations; then the job.
@@ -476,26 +615,16 @@ class Controller:
         def created(name: str) -> Callable[[], None]:
             return lambda: expected.created.__setitem__(name, now)
 
-        groups: list[list[tuple[Any, Callable[[], None]]]] = [[], [], [], []]
-        if policy is not None:
-            groups[0].append(
-                (
-                    self.kube.create_network_policy(namespace, policy),
-                    lambda: self._policies.add(key),
-                )
-            )
-        if secret is not None:
-            groups[0].append(
-                (self.kube.create_secret(namespace, secret), lambda: self._store_keys.add(key))
-            )
-        if pod_group is not None:
-            size = int(pod_group["spec"]["schedulingPolicy"]["gang"]["minCount"])
-            groups[0].append(
-                (
-                    self.kube.ensure_pod_group(namespace, pod_group),
-                    lambda: self._pod_groups.__setitem__(key, (size, time.monotonic())),
-                )
-            )
+        groups: list[list[tuple[Any, Callable[[], None]]]] = [
+            self._prerequisites(key, policy, secret, pod_group),
+            [],
+            [],
+            [],
+        ]
+        # Workload writes go with the deletes: each was decided on what they do not change (an
+        # eviction's reservation is cleared once no pod holds resources, a count is lowered
+        # once the surplus pods are gone).
+        groups[1] += [(self._workload_call(namespace, change), nothing) for change in workloads]
         for action in actions:
             if isinstance(action, CreateService):
                 groups[0].append((self.kube.create_service(namespace, action.service), nothing))
@@ -534,6 +663,37 @@ class Controller:
             errors += [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise ActionsFailedError(errors)
+
+    def _workload_call(self, namespace: str, change: queue.WorkloadAction) -> Any:
+        if isinstance(change, queue.CreateWorkload):
+            return self.kube.create_workload(namespace, change.body)
+        if isinstance(change, queue.PatchWorkload):
+            return self.kube.patch_workload(
+                namespace, change.name, change.patch, status=change.status
+            )
+        return self.kube.release_workload(namespace, change.name, change.uid, change.finalizers)
+
+    async def release_workloads(self, namespace: str, job_uid: str) -> int:
+        """A deleted job's Workloads: Finished (``OwnerNotFound``) and without Kueue's
+        finalizer, which nobody else removes while they keep their owner reference."""
+        if not job_uid or not await self._serves_workloads():
+            return 0
+        released = 0
+        now = dt.datetime.now(dt.UTC)
+        for raw in await self.kube.list_workloads(namespace, job_uid):
+            if controller_uid(raw) != job_uid:
+                continue
+            wl = queue.Slice.of(raw)
+            if not wl.finished and not wl.deleting:
+                change = queue.finish(
+                    wl, "OwnerNotFound", "The workload's owner no longer exists", now
+                )
+                await self.kube.patch_workload(namespace, wl.name, change.patch, status=True)
+                wl = queue.Slice.of(await self.kube.get_workload(namespace, wl.name) or raw)
+            if queue.FINALIZER in wl.finalizers:
+                await self.kube.release_workload(namespace, wl.name, wl.uid, wl.finalizers)
+                released += 1
+        return released
 
     async def release_pods(self, namespace: str, job_name: str) -> int:
         """Remove our finalizer from every pod of a job that is going away."""
@@ -583,6 +743,24 @@ def _log_decision(
         actions or "none",
         ", ".join(e.reason for e in decision.events) or "none",
     )
+
+
+def _describe_workload(change: queue.WorkloadAction) -> str:
+    if isinstance(change, queue.CreateWorkload):
+        spec = change.body["spec"]
+        return f"create Workload {change.body['metadata']['name']} in {spec['queueName']}"
+    if isinstance(change, queue.PatchWorkload):
+        what = "status" if change.status else "spec"
+        return f"patch Workload {change.name} ({what}): {_brief(change.patch)}"
+    return f"remove the finalizer of Workload {change.name}"
+
+
+def _brief(patch: JSON) -> str:
+    body = {k: v for k, v in patch.items() if k != "metadata"}
+    if "status" in body:
+        conditions = body["status"].get("conditions") or []
+        return ", ".join(f"{c['type']}={c['status']}/{c['reason']}" for c in conditions[-3:])
+    return str(body)[:200]
 
 
 def _describe(action: Action) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 import kopf
 
-from ddpjob_operator import api
+from ddpjob_operator import api, queue
 from ddpjob_operator.controller import Controller, PodRecord, pod_record
 from ddpjob_operator.kube import controller_uid
 
@@ -192,13 +192,25 @@ async def job_loop(
 
 @kopf.on.delete(*JOBS)
 async def job_deleted(
-    namespace: str | None, name: str, memo: Any, logger: kopf.Logger, **_: Any
+    namespace: str | None,
+    name: str,
+    uid: str,
+    labels: Mapping[str, str],
+    memo: Any,
+    logger: kopf.Logger,
+    **_: Any,
 ) -> None:
-    """Let go of the job's pods (our tracking finalizer) so that garbage collection can work."""
+    """Let go of the job's pods (our tracking finalizer) so that garbage collection can work;
+    for a Kueue job, of its Workloads too (Kueue's finalizer, which only the job's controller
+    removes while a Workload still has its owner reference)."""
     controller: Controller = memo.controller
     released = await controller.release_pods(*_key(namespace, name))
     if released:
         logger.info("released %d pods of the deleted job", released)
+    if labels.get(queue.QUEUE_LABEL):
+        finished = await controller.release_workloads(_key(namespace, name)[0], uid)
+        if finished:
+            logger.info("finished and released %d Workloads of the deleted job", finished)
 
 
 @kopf.on.probe(id="reconcile")

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import kubernetes
 
-from ddpjob_operator import api
+from ddpjob_operator import api, queue
 from ddpjob_operator.errors import DDPJobError
 
 JSON = dict[str, Any]
@@ -331,6 +331,95 @@ class KubeApi:
                 content_type="application/merge-patch+json",
             )
 
+    async def workloads_served(self) -> bool:
+        """The cluster serves Kueue's Workloads (Kueue is installed)."""
+        return "workloads" in (await self.served_resources(f"/apis/{api.KUEUE_API}") or ())
+
+    async def list_workloads(self, namespace: str, job_uid: str) -> list[JSON]:
+        """The Workloads Kueue's job-uid label ties to the job (its slices, old and new)."""
+        result = await self.request(
+            "GET",
+            f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads",
+            params={"labelSelector": f"{queue.JOB_UID_LABEL}={job_uid}"},
+        )
+        return list(result.get("items") or [])
+
+    async def get_workload(self, namespace: str, name: str) -> JSON | None:
+        try:
+            return await self.request(
+                "GET", f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads/{name}"
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create_workload(self, namespace: str, workload: JSON) -> None:
+        await self._create_or_say(
+            namespace,
+            f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads",
+            workload,
+            "Workload",
+            f", which the job's {queue.QUEUE_LABEL} label asks Kueue for",
+            "install the chart with kueue.enabled: true (it grants the operator Kueue's "
+            "workloads, workloads/status and the flavors and priority classes it reads), or "
+            "remove the label to run the job without Kueue. No pod is created until Kueue "
+            "admits the Workload",
+        )
+
+    async def patch_workload(
+        self, namespace: str, name: str, patch: JSON, *, status: bool = False
+    ) -> None:
+        """A merge patch of a Workload (or of its status); a 409 (the patch carries the
+        resourceVersion it was decided on) or a 404 is left to the next pass."""
+        merge = "application/merge-patch+json"
+        path = f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads/{name}"
+        try:
+            if status:
+                await self.request("PATCH", f"{path}/status", patch, content_type=merge)
+            else:
+                await self.request("PATCH", path, patch, content_type=merge)
+        except ApiError as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    async def release_workload(
+        self, namespace: str, name: str, uid: str, finalizers: Sequence[str]
+    ) -> None:
+        """Remove Kueue's resource-in-use finalizer from a Workload that holds no quota."""
+        await self._remove_finalizer(
+            f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads/{name}",
+            uid,
+            finalizers,
+            queue.FINALIZER,
+        )
+
+    async def get_resource_flavor(self, name: str) -> JSON | None:
+        """A ResourceFlavor (cluster-scoped), or None if there is none of that name."""
+        try:
+            return await self.request("GET", f"/apis/{api.KUEUE_API}/resourceflavors/{name}")
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def priority_value(self, kueue_class: bool, name: str) -> int | None:
+        """The value of a Kueue WorkloadPriorityClass, or of a PriorityClass; None if absent."""
+        try:
+            if kueue_class:
+                found = await self.request(
+                    "GET", f"/apis/{api.KUEUE_API}/workloadpriorityclasses/{name}"
+                )
+            else:
+                found = await self.request(
+                    "GET", f"/apis/scheduling.k8s.io/v1/priorityclasses/{name}"
+                )
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return int(found.get("value") or 0)
+
     async def _create_or_say(
         self, namespace: str, path: str, body: JSON, kind: str, what: str, fix: str
     ) -> bool:
@@ -362,8 +451,15 @@ class KubeApi:
     async def remove_finalizer(
         self, namespace: str, name: str, uid: str, finalizers: Sequence[str], finalizer: str
     ) -> None:
-        """Remove one finalizer, guarded by the pod's uid and its current finalizer list."""
-        path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+        """Remove one finalizer of a pod."""
+        await self._remove_finalizer(
+            f"/api/v1/namespaces/{namespace}/pods/{name}", uid, finalizers, finalizer
+        )
+
+    async def _remove_finalizer(
+        self, path: str, uid: str, finalizers: Sequence[str], finalizer: str
+    ) -> None:
+        """Remove one finalizer, guarded by the object's uid and its current finalizer list."""
         current = list(finalizers)
         for _ in range(3):
             if finalizer not in current:
@@ -385,16 +481,16 @@ class KubeApi:
                     return
                 if exc.status not in (409, 422):
                     raise
-            # Someone changed the pod (or its finalizers) since we looked: look again.
+            # Someone changed the object (or its finalizers) since we looked: look again.
             try:
-                pod = await self.request("GET", path)
+                found = await self.request("GET", path)
             except ApiError as exc:
                 if exc.status == 404:
                     return
                 raise
-            if pod.get("metadata", {}).get("uid") != uid:
+            if found.get("metadata", {}).get("uid") != uid:
                 return
-            current = list(pod.get("metadata", {}).get("finalizers") or [])
+            current = list(found.get("metadata", {}).get("finalizers") or [])
 
     async def list_pods(self, namespace: str, selector: str) -> list[JSON]:
         result = await self.request(

@@ -76,7 +76,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from ddpjob_operator import api, builders
+from ddpjob_operator import api, builders, queue
 from ddpjob_operator.api import (
     CleanPodPolicy,
     Condition,
@@ -100,6 +100,9 @@ MAX_NEW_ACCOUNTED = 500
 INVALID_SPEC = "InvalidSpec"
 """The condition (and reason) of a spec the operator cannot parse; never terminal."""
 DEFERRED_REQUEUE = 1.0
+
+UNBOUNDED = 1 << 30
+"""More pods than any job asks for (no bound)."""
 """Seconds until the next pass when this one left work for it (the per-pass bounds)."""
 STRANDED_AFTER_SECONDS = 30.0
 """How long a completing job still waits for its pods that are not ready after its first pod
@@ -111,6 +114,8 @@ class DeleteWhy(enum.StrEnum):
     REPLACE = "Replace"
     SCALE_DOWN = "ScaleDown"
     SUSPEND = "Suspend"
+    QUEUE = "Queue"
+    """Kueue evicted the job (a preemption, say): its pods go, uncharged."""
     CLEANUP = "Cleanup"
     STUCK = "Stuck"
     """Force-delete a pod stuck Terminating past its bound (``force`` is set)."""
@@ -175,6 +180,8 @@ class Observed:
     pod_groups: bool | None = None
     """The cluster serves the native PodGroup API (asked only for a job with
     ``gangScheduling: Native``; ``None``: not asked, as by the local runner)."""
+    queue: queue.Admission | None = None
+    """What Kueue admits, for a job that names a Kueue queue (``None``: not a Kueue job)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -680,9 +687,13 @@ def _suspend(
     now: dt.datetime,
     events: list[Event],
     room: int,
+    queued: queue.Admission | None = None,
 ) -> Decision:
     """Delete every pod that holds resources (or failed); keep Succeeded ones: a completing job
-    stays completing. A failed pod is deleted only once it is counted."""
+    stays completing. A failed pod is deleted only once it is counted.
+
+    ``queued``: not suspended, but held by Kueue (not admitted, or evicted): the same, in phase
+    ``Queued``, and the pods' deletions are never charged either."""
     deferred = {p.uid for p in buckets.deferred}
     doomed = [
         p
@@ -691,9 +702,9 @@ def _suspend(
         and p.uid not in deferred
         and (p.holds_resources or p.phase is PodPhase.FAILED)
     ]
+    why = DeleteWhy.SUSPEND if queued is None else DeleteWhy.QUEUE
     wanted: list[Action] = [
-        DeletePod(p.name, p.uid, p.index, DeleteWhy.SUSPEND)
-        for p in sorted(doomed, key=lambda p: -p.index)
+        DeletePod(p.name, p.uid, p.index, why) for p in sorted(doomed, key=lambda p: -p.index)
     ]
     actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), room)
     stuck, requeue = _force_stuck(job, pods, now)
@@ -701,16 +712,24 @@ def _suspend(
         requeue = _sooner(requeue, DEFERRED_REQUEUE)
     actions += stuck
     accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
-    conditions = set_condition(
-        status.conditions, ConditionType.SUSPENDED, True, "Suspended", "spec.suspend is true", now
-    )
-    conditions = set_condition(conditions, ConditionType.RUNNING, False, "Suspended", "", now)
-    conditions = set_condition(conditions, ConditionType.RESTARTING, False, "Suspended", "", now)
-    if status.phase is not JobPhase.SUSPENDED:
-        events.append(Event("Normal", "Suspended", "job suspended; deleting its pods"))
+    if queued is None:
+        phase, reason = JobPhase.SUSPENDED, "Suspended"
+        conditions = set_condition(
+            status.conditions, ConditionType.SUSPENDED, True, reason, "spec.suspend is true", now
+        )
+        if status.phase is not phase:
+            events.append(Event("Normal", reason, "job suspended; deleting its pods"))
+    else:
+        phase, reason = JobPhase.QUEUED, queued.reason
+        conditions = _admitted_condition(status.conditions, queued, now)
+        if status.phase is not phase:
+            verb = "deleting its pods" if any(p.live for p in pods) else "no pod is made"
+            events.append(Event("Normal", reason, f"{queued.message}; {verb} until admitted"))
+    conditions = set_condition(conditions, ConditionType.RUNNING, False, reason, "", now)
+    conditions = set_condition(conditions, ConditionType.RESTARTING, False, reason, "", now)
     status = status.model_copy(
         update={
-            "phase": JobPhase.SUSPENDED,
+            "phase": phase,
             "conditions": conditions,
             "start_time": None,
             "below_min_since": None,
@@ -723,6 +742,22 @@ def _suspend(
         }
     )
     return Decision(tuple(actions + removals), status, tuple(events), requeue)
+
+
+def _admitted_condition(
+    conditions: Sequence[Condition], admission: queue.Admission | None, now: dt.datetime
+) -> list[Condition]:
+    """``Admitted``, for a Kueue job (others never get it)."""
+    if admission is None:
+        return list(conditions)
+    return set_condition(
+        conditions,
+        ConditionType.ADMITTED,
+        admission.admitted,
+        admission.reason,
+        admission.message,
+        now,
+    )
 
 
 def _world_size(job: api.DDPJob, live: Sequence[ObservedPod]) -> int:
@@ -878,7 +913,9 @@ def _run_actions(
     now: dt.datetime,
     network: builders.Network,
     default_profile: api.SecurityProfile,
+    desired: int,
     pod_groups: bool | None = None,
+    admission: queue.Admission | None = None,
 ) -> _Plan:
     """Service, replacements, scale-down (highest index first), then missing pods: not under a
     name another object's pod still holds, nor before its index's back-off is over."""
@@ -895,7 +932,10 @@ def _run_actions(
     ]
     held = {p.index: p for p in foreign}
     keyed = store_keyed(pods)
-    for i in range(desired_replicas(job.spec)):
+    placement = admission.placement if admission is not None else None
+    if admission is not None and placement is None:
+        return plan  # admitted to flavors that could not be read: no pod until they are
+    for i in range(desired):
         if i in present:
             continue
         if i in held:
@@ -907,7 +947,13 @@ def _run_actions(
             plan.waiting.append(backoff)
             continue
         pod = builders.build_pod(
-            job, i, network, default_profile, store_key=keyed, pod_group=plan.pod_group
+            job,
+            i,
+            network,
+            default_profile,
+            store_key=keyed,
+            pod_group=plan.pod_group,
+            placement=placement,
         )
         plan.actions.append(CreatePod(i, pod))
     return plan
@@ -1097,7 +1143,7 @@ def reconcile(
     if status.phase.is_finished:
         return _also(_release_foreign(foreign), _finished(job, pods, status, now, events))
 
-    desired = desired_replicas(spec)
+    desired = min(desired_replicas(spec), observed.queue.count if observed.queue else UNBOUNDED)
     room = max(0, MAX_NEW_ACCOUNTED - len(status.accounted_pods))
     buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
     room -= len(buckets.uncounted)
@@ -1107,14 +1153,11 @@ def reconcile(
     if spec.suspend:
         suspended = _suspend(job, pods, buckets, status, now, events, room)
         return _also(_release_foreign(foreign), suspended)
-    if status.phase is JobPhase.SUSPENDED:
-        events.append(Event("Normal", "Resumed", "job resumed"))
-        conditions = set_condition(
-            status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
-        )
-        status = status.model_copy(update={"phase": JobPhase.PENDING, "conditions": conditions})
-    if status.start_time is None:
-        status = status.model_copy(update={"start_time": now})
+    status = _resumed(status, observed.queue, now, events)
+    if observed.queue is not None and observed.queue.count == 0:
+        queued = _suspend(job, pods, buckets, status, now, events, room, observed.queue)
+        return _also(_release_foreign(foreign), queued)
+    status = status.model_copy(update={"start_time": status.start_time or now})
 
     live = buckets.live
     running = sum(p.phase is PodPhase.RUNNING for p in live)
@@ -1131,7 +1174,9 @@ def reconcile(
         now,
         network,
         default_profile,
+        desired,
         observed.pod_groups,
+        observed.queue,
     )
     waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
     shown = waiting[:MAX_WAITING]
@@ -1166,6 +1211,7 @@ def reconcile(
         live,
         now,
     )
+    conditions = _admitted_condition(conditions, observed.queue, now)
     events += _phase_events(status.phase, phase, running, desired)
     status = status.model_copy(
         update={
@@ -1183,6 +1229,22 @@ def reconcile(
     if deferred or buckets.deferred:
         requeue = _sooner(requeue, DEFERRED_REQUEUE)
     return Decision(tuple(actions), status, tuple(events), requeue)
+
+
+def _resumed(
+    status: DDPJobStatus, admission: queue.Admission | None, now: dt.datetime, events: list[Event]
+) -> DDPJobStatus:
+    """Out of ``Suspended`` (spec.suspend is false again), or of ``Queued`` (Kueue admits)."""
+    if status.phase is JobPhase.SUSPENDED:
+        events.append(Event("Normal", "Resumed", "job resumed"))
+        conditions = set_condition(
+            status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
+        )
+        status = status.model_copy(update={"phase": JobPhase.PENDING, "conditions": conditions})
+    if status.phase is JobPhase.QUEUED and admission is not None and admission.count > 0:
+        events.append(Event("Normal", "Admitted", admission.message))
+        status = status.model_copy(update={"phase": JobPhase.PENDING})
+    return status
 
 
 def _success(

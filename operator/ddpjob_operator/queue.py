@@ -1,0 +1,553 @@
+"""Kueue: the Workloads of a DDPJob that names a queue, and what they allow. Pure.
+
+A DDPJob with the label ``kueue.x-k8s.io/queue-name`` is a Kueue workload (Kueue runs with
+``integrations.externalFrameworks: ["DDPJob.v1alpha1.ddpjob.io"]``). Kueue runs no reconciler
+for an external kind: ddpjob does what Kueue's job framework does for a batch Job. The protocol,
+checked against Kueue v0.19.2's source, is in ``docs/design/kueue-workloads.md``; in short:
+
+* One Workload per job, controlled by it (``kueue.x-k8s.io/job-uid`` label, Kueue's
+  ``resource-in-use`` finalizer), one podSet ``main`` of ``spec.replicas`` pods whose template
+  is the job's pod. No pod is created until the Workload is ``Admitted``; the pods then get the
+  admitted flavors' node labels and tolerations.
+* Elastic through workload slices: a scale up asks for a new slice of the full new size that
+  replaces the admitted one (Kueue admits it when the difference fits, then finishes the old
+  slice); the job keeps training at its admitted size meanwhile. A scale down deletes the
+  surplus pods, then lowers the admitted slice's count, which gives the quota back at once.
+* Eviction (preemption, a deactivation, a stopped queue): every pod is deleted, uncharged;
+  once none holds resources the reservation is cleared, and the job waits to be admitted again.
+* Suspend: ``spec.suspend`` is copied to the Workload's ``spec.active`` when the user changes
+  it (never re-asserted: Kueue deactivates Workloads itself).
+* The end: ``Finished`` once no pod holds resources, then the finalizer goes.
+
+The controller reads the job's Workloads and the flavors they were admitted to; :func:`plan`
+says what the job may run (:class:`Admission`, which :func:`reconcile.reconcile` obeys) and
+what to write to the Workloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from . import api, builders
+from .builders import Placement
+from .observe import ObservedPod
+
+JSON = dict[str, Any]
+
+API = api.KUEUE_API
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+FINALIZER = "kueue.x-k8s.io/resource-in-use"
+ELASTIC_ANNOTATION = "kueue.x-k8s.io/elastic-job"
+SLICE_NAME_ANNOTATION = "kueue.x-k8s.io/workload-slice-name"
+REPLACEMENT_ANNOTATION = "kueue.x-k8s.io/workload-slice-replacement-for"
+POD_WORKLOAD_ANNOTATION = "kueue.x-k8s.io/workload"
+PODSET_LABEL = "kueue.x-k8s.io/podset"
+LOCAL_QUEUE_LABEL = "kueue.x-k8s.io/local-queue-name"
+CLUSTER_QUEUE_LABEL = "kueue.x-k8s.io/cluster-queue-name"
+SUSPENDED_ANNOTATION = "ddpjob.io/suspended"
+"""The job's ``spec.suspend`` as last copied to the Workload's ``spec.active``."""
+TEMPLATE_ANNOTATION = "ddpjob.io/template-hash"
+"""A hash of the pod template the Workload's podSet was made from."""
+OWNER_GONE = "The workload's owner no longer exists"
+PODSET = "main"
+
+REQUEUED_AFTER = frozenset({"Preempted", "NodeFailures"})
+"""Eviction reasons after which the Workload goes back to the queue at once (``Requeued``
+True); after the others Kueue requeues it itself (reactivation, back-off, a restarted queue)."""
+
+
+def queue_name(job: api.DDPJob) -> str | None:
+    """The LocalQueue the job names, if it is a Kueue workload."""
+    return (job.metadata.labels or {}).get(QUEUE_LABEL) or None
+
+
+def workload_name(job: api.DDPJob, extra: str = "") -> str:
+    """As Kueue names a job's Workload (``ddpjob-<job>-<5 hex>``), so a retried create is a 409."""
+    parts = [api.KIND, api.GROUP, job.name, job.metadata.uid or ""]
+    if extra:
+        parts.append(extra)
+    digest = hashlib.sha1("\n".join(parts).encode(), usedforsecurity=False).hexdigest()
+    return f"{api.KIND.lower()}-{job.name}"[:247] + "-" + digest[:5]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """One Workload of the job, as read."""
+
+    name: str
+    uid: str
+    resource_version: str
+    generation: int
+    count: int
+    active: bool
+    annotations: Mapping[str, str]
+    finalizers: tuple[str, ...]
+    deleting: bool
+    conditions: tuple[JSON, ...]
+    admission: JSON | None
+    queue: str
+    pod_sets: tuple[JSON, ...] = ()
+
+    @classmethod
+    def of(cls, obj: Mapping[str, Any]) -> Slice:
+        meta = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        status = obj.get("status") or {}
+        pod_sets = spec.get("podSets") or [{}]
+        return cls(
+            name=str(meta.get("name", "")),
+            uid=str(meta.get("uid", "")),
+            resource_version=str(meta.get("resourceVersion", "")),
+            generation=int(meta.get("generation") or 0),
+            count=int(pod_sets[0].get("count") or 0),
+            active=spec.get("active") is not False,
+            annotations=dict(meta.get("annotations") or {}),
+            finalizers=tuple(meta.get("finalizers") or ()),
+            deleting=meta.get("deletionTimestamp") is not None,
+            conditions=tuple(c for c in status.get("conditions") or () if isinstance(c, dict)),
+            admission=status.get("admission") or None,
+            queue=str(spec.get("queueName", "")),
+            pod_sets=tuple(p for p in spec.get("podSets") or () if isinstance(p, dict)),
+        )
+
+    def condition(self, type_: str) -> JSON | None:
+        """The condition of that type if it is True."""
+        return next(
+            (c for c in self.conditions if c.get("type") == type_ and c.get("status") == "True"),
+            None,
+        )
+
+    def said(self, type_: str) -> str:
+        """The message of the condition of that type, whatever its status."""
+        found = next((c for c in self.conditions if c.get("type") == type_), None)
+        return str((found or {}).get("message") or "")
+
+    @property
+    def reserved(self) -> bool:
+        return self.condition("QuotaReserved") is not None and self.admission is not None
+
+    @property
+    def admitted(self) -> bool:
+        return self.reserved and self.condition("Admitted") is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.condition("Finished") is not None
+
+    @property
+    def evicted(self) -> JSON | None:
+        return self.condition("Evicted")
+
+    @property
+    def replaces(self) -> str | None:
+        """The name of the slice this one is to replace (a scale up)."""
+        value = self.annotations.get(REPLACEMENT_ANNOTATION)
+        return value.rpartition("/")[2] if value else None
+
+    @property
+    def assignment(self) -> JSON:
+        assignments = (self.admission or {}).get("podSetAssignments") or [{}]
+        return dict(assignments[0])
+
+    @property
+    def admitted_count(self) -> int:
+        """Pods this slice lets the job run: its count (lowered by a scale down), at most the
+        admitted one."""
+        admitted = self.assignment.get("count")
+        return self.count if admitted is None else min(self.count, int(admitted))
+
+    @property
+    def flavors(self) -> tuple[str, ...]:
+        return tuple(sorted(set((self.assignment.get("flavors") or {}).values())))
+
+    @property
+    def cluster_queue(self) -> str:
+        return str((self.admission or {}).get("clusterQueue") or "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What Kueue lets the job run now."""
+
+    count: int
+    """Pods the job may have; 0 while it is queued or evicted."""
+    placement: Placement | None
+    """For new pods; None: create none (an admitted flavor could not be read)."""
+    admitted: bool
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateWorkload:
+    body: JSON
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchWorkload:
+    """A JSON merge patch of the Workload (``status`` True: of its status subresource); it
+    carries the resourceVersion it was decided on."""
+
+    name: str
+    patch: JSON
+    status: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseWorkload:
+    """Remove Kueue's ``resource-in-use`` finalizer: the Workload holds no quota any more."""
+
+    name: str
+    uid: str
+    finalizers: tuple[str, ...]
+
+
+WorkloadAction = CreateWorkload | PatchWorkload | ReleaseWorkload
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    admission: Admission
+    actions: tuple[WorkloadAction, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Priority:
+    """The Workload's priority: Kueue reads it, it does not compute it for external kinds."""
+
+    value: int = 0
+    ref: JSON | None = None
+
+
+def pod_set(job: api.DDPJob, count: int) -> JSON:
+    """The Workload's one podSet: ``count`` pods whose template is the job's pod as ddpjob makes
+    it (its requests are the quota Kueue reserves)."""
+    pod = builders.build_pod(job, 0)
+    template: JSON = {
+        "metadata": {
+            "labels": dict(pod["metadata"].get("labels") or {}),
+            "annotations": dict(pod["metadata"].get("annotations") or {}),
+        },
+        "spec": pod["spec"],
+    }
+    return {"name": PODSET, "count": count, "template": template}
+
+
+def template_hash(job: api.DDPJob) -> str:
+    text = json.dumps(pod_set(job, 0)["template"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_workload(
+    job: api.DDPJob,
+    name: str,
+    count: int,
+    priority: Priority,
+    replaces: Slice | None = None,
+) -> JSON:
+    """A Workload for ``count`` pods of the job; a scale up's replaces the admitted slice."""
+    origin = name if replaces is None else replaces.annotations.get(SLICE_NAME_ANNOTATION, name)
+    annotations = {
+        ELASTIC_ANNOTATION: "true",
+        SLICE_NAME_ANNOTATION: origin,
+        SUSPENDED_ANNOTATION: _flag(job.spec.suspend),
+        TEMPLATE_ANNOTATION: template_hash(job),
+    }
+    if replaces is not None:
+        annotations[REPLACEMENT_ANNOTATION] = f"{job.namespace}/{replaces.name}"
+    spec: JSON = {
+        "queueName": queue_name(job),
+        "active": not job.spec.suspend,
+        "priority": priority.value,
+        "podSets": [pod_set(job, count)],
+    }
+    if priority.ref is not None:
+        spec["priorityClassRef"] = priority.ref
+    return {
+        "apiVersion": API,
+        "kind": "Workload",
+        "metadata": {
+            "name": name,
+            "namespace": job.namespace,
+            "labels": {JOB_UID_LABEL: job.metadata.uid or ""},
+            "annotations": annotations,
+            "finalizers": [FINALIZER],
+            "ownerReferences": builders.owner_references(job),
+        },
+        "spec": spec,
+    }
+
+
+def placement(head: Slice, flavors: Mapping[str, JSON]) -> Placement | None:
+    """Node labels and tolerations of the admitted flavors, and Kueue's pod labels."""
+    selector: dict[str, str] = {}
+    tolerations: list[JSON] = []
+    for name in head.flavors:
+        flavor = flavors.get(name)
+        if flavor is None:
+            return None
+        spec = flavor.get("spec") or {}
+        selector.update(spec.get("nodeLabels") or {})
+        tolerations += [t for t in spec.get("tolerations") or [] if t not in tolerations]
+    labels = {PODSET_LABEL: PODSET, LOCAL_QUEUE_LABEL: head.queue}
+    if head.cluster_queue and len(head.cluster_queue) <= 63:
+        labels[CLUSTER_QUEUE_LABEL] = head.cluster_queue
+    return Placement(selector, tuple(tolerations), labels, {POD_WORKLOAD_ANNOTATION: head.name})
+
+
+def plan(
+    job: api.DDPJob,
+    slices: Sequence[Slice],
+    pods: Sequence[ObservedPod],
+    flavors: Mapping[str, JSON],
+    desired: int,
+    priority: Priority,
+    now: dt.datetime,
+) -> Plan:
+    """What the job may run, and what to write to its Workloads.
+
+    ``pods``: the job's own pods; ``desired``: the pods the spec asks for; ``flavors``: the
+    ResourceFlavors the admitted slice names (one missing: no new pod until it can be read).
+    """
+    actions: list[WorkloadAction] = [
+        ReleaseWorkload(s.name, s.uid, s.finalizers)
+        for s in slices
+        if FINALIZER in s.finalizers and (s.finished or (s.deleting and not _holding(pods)))
+    ]
+    live = [s for s in slices if not s.finished and not s.deleting]
+    if job.status.phase.is_finished or job.metadata.deletion_timestamp is not None:
+        if not _holding(pods):
+            if job.status.phase.is_finished:
+                reason, message = job.status.phase.value, _ended(job)
+            else:
+                reason, message = "OwnerNotFound", OWNER_GONE
+            actions += [finish(s, reason, message, now) for s in live]
+        return Plan(Admission(0, None, False, "Finished", ""), tuple(actions))
+
+    reserved = [s for s in live if s.reserved]
+    head = _head(reserved)
+    pending = [s for s in live if s is not head and not s.reserved]
+    actions += [
+        finish(s, "OutOfSync", "a newer slice replaced it", now) for s in reserved if s is not head
+    ]
+    gone = next((s for s in slices if s.deleting and not s.finished), None)
+    if head is None:
+        return _queued(job, slices, pending, gone, desired, priority, now, actions)
+    if head.evicted is not None or not head.admitted:
+        actions += [finish(s, "OutOfSync", "its slice was evicted", now) for s in pending]
+        return _not_running(job, head, pods, now, actions)
+
+    count = min(desired, head.admitted_count)
+    flavor_names = ", ".join(head.flavors) or "none"
+    message = (
+        f"admitted by ClusterQueue {head.cluster_queue} (flavors: {flavor_names}) "
+        f"for {head.admitted_count} pods"
+    )
+    lower = None
+    if desired < head.count:
+        # A scale down: the quota goes back once the surplus pods are gone.
+        actions += [finish(s, "OutOfSync", "the job was scaled down", now) for s in pending]
+        if not any(p.index >= desired and p.holds_resources for p in pods):
+            lower = desired
+    actions += _sync(job, head, lower)
+    if desired > head.count:
+        asked = next(iter(pending), None)
+        if asked is None:
+            name = workload_name(job, f"{job.metadata.generation or 0}-{len(slices)}")
+            actions.append(CreateWorkload(build_workload(job, name, desired, priority, head)))
+        else:
+            actions += _sync(job, asked, desired)
+        actions += [finish(s, "OutOfSync", "a newer slice replaced it", now) for s in pending[1:]]
+        waiting = asked.said("QuotaReserved") if asked is not None else ""
+        message += f"; asking Kueue for {desired}" + (f": {waiting}" if waiting else "")
+    elif desired == head.count:
+        actions += [finish(s, "OutOfSync", "the job was scaled back", now) for s in pending]
+    where = placement(head, flavors)
+    if where is None:
+        message += "; waiting to read its ResourceFlavors"
+    return Plan(Admission(count, where, True, "Admitted", message), tuple(actions))
+
+
+def _not_running(
+    job: api.DDPJob,
+    head: Slice,
+    pods: Sequence[ObservedPod],
+    now: dt.datetime,
+    actions: list[WorkloadAction],
+) -> Plan:
+    """The slice holds quota but the job may not run: evicted (its pods go, then the
+    reservation is given back), or its admission checks are not ready."""
+    evicted = head.evicted
+    if evicted is None:
+        actions += _sync(job, head, None)
+        waiting = head.said("Admitted") or "admission checks are not ready"
+        return Plan(Admission(0, None, False, "AdmissionChecks", waiting), tuple(actions))
+    if _holding(pods):
+        actions += _sync(job, head, None)
+    else:  # alone: a spec patch decided on the same resourceVersion would get a 409
+        actions.append(_clear_reservation(head, evicted, now))
+    reason = str(evicted.get("reason") or "Evicted")
+    message = f"evicted by Kueue ({reason}): {evicted.get('message', '')}"
+    return Plan(Admission(0, None, False, reason, message), tuple(actions))
+
+
+def _queued(
+    job: api.DDPJob,
+    slices: Sequence[Slice],
+    pending: Sequence[Slice],
+    gone: Slice | None,
+    desired: int,
+    priority: Priority,
+    now: dt.datetime,
+    actions: list[WorkloadAction],
+) -> Plan:
+    """No slice holds quota: make one, or keep the one that waits in line at the right size."""
+    if not pending:
+        if gone is not None:
+            message = f"Workload {gone.name} is being deleted; a new one is made once it is gone"
+            return Plan(Admission(0, None, False, "WorkloadDeleted", message), tuple(actions))
+        name = workload_name(job, f"{job.metadata.generation or 0}-{len(slices)}" if slices else "")
+        actions.append(CreateWorkload(build_workload(job, name, desired, priority)))
+        message = f"Workload {name} created in LocalQueue {queue_name(job)}"
+        return Plan(Admission(0, None, False, "Queued", message), tuple(actions))
+    first, *rest = pending
+    actions += [finish(s, "OutOfSync", "one slice waits in line at a time", now) for s in rest]
+    actions += _sync(job, first, desired)
+    if not first.active:
+        why = "Inactive"
+        message = f"Workload {first.name} is inactive (spec.active is false)"
+    else:
+        why = "Queued"
+        said = first.said("QuotaReserved")
+        message = f"Workload {first.name} waits in LocalQueue {first.queue or queue_name(job)}"
+        message += f": {said}" if said else ""
+    return Plan(Admission(0, None, False, why, message), tuple(actions))
+
+
+def _head(reserved: Sequence[Slice]) -> Slice | None:
+    """The slice the job runs on: of two that hold quota (a replacement admitted, its
+    predecessor not yet finished), the replacement."""
+    replaced = {s.replaces for s in reserved}
+    heads = [s for s in reserved if s.name not in replaced]
+    return heads[0] if heads else (reserved[0] if reserved else None)
+
+
+def _holding(pods: Iterable[ObservedPod]) -> bool:
+    return any(p.holds_resources for p in pods)
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _ended(job: api.DDPJob) -> str:
+    phase = job.status.phase.value
+    said = next((c.message for c in job.status.conditions if str(c.type) == phase), "")
+    return said or f"the DDPJob {phase.lower()}"
+
+
+def _sync(job: api.DDPJob, wl: Slice, count: int | None) -> list[WorkloadAction]:
+    """At most one spec patch that brings a Workload in line with the job.
+
+    * ``spec.active`` follows the user's ``spec.suspend`` when it changes (edge-triggered: a
+      Workload Kueue deactivated itself stays so).
+    * While it holds no quota: the queue the job names now, the pod template (changed while
+      the job was suspended), and ``count``.
+    * While it holds quota: only a lower ``count`` (a scale down; the webhook refuses the rest).
+    """
+    annotations: dict[str, str] = {}
+    spec: JSON = {}
+    if wl.annotations.get(SUSPENDED_ANNOTATION) != _flag(job.spec.suspend):
+        annotations[SUSPENDED_ANNOTATION] = _flag(job.spec.suspend)
+        spec["active"] = not job.spec.suspend
+    wanted = wl.count if count is None else count
+    if not wl.reserved:
+        name = queue_name(job)
+        if name and wl.queue != name:
+            spec["queueName"] = name
+        digest = template_hash(job)
+        if wl.annotations.get(TEMPLATE_ANNOTATION) != digest:
+            annotations[TEMPLATE_ANNOTATION] = digest
+            spec["podSets"] = [pod_set(job, wanted)]
+    if "podSets" not in spec and wanted != wl.count and (not wl.reserved or wanted < wl.count):
+        # A merge patch replaces a list whole, so the podSets go as read, with the new count.
+        pod_sets = [dict(p) for p in wl.pod_sets] or [{"name": PODSET}]
+        pod_sets[0]["count"] = wanted
+        spec["podSets"] = pod_sets
+    if not annotations and not spec:
+        return []
+    meta: JSON = {"resourceVersion": wl.resource_version}
+    if annotations:
+        meta["annotations"] = annotations
+    patch: JSON = {"metadata": meta}
+    if spec:
+        patch["spec"] = spec
+    return [PatchWorkload(wl.name, patch)]
+
+
+def _condition(
+    conditions: Sequence[JSON],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: dt.datetime,
+    generation: int,
+) -> list[JSON]:
+    """``meta.SetStatusCondition``: the transition time moves only when the status flips."""
+    wanted = "True" if status else "False"
+    old = next((c for c in conditions if c.get("type") == type_), None)
+    since = (
+        old.get("lastTransitionTime")
+        if old is not None and old.get("status") == wanted
+        else now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    )
+    new = {
+        "type": type_,
+        "status": wanted,
+        "reason": reason,
+        "message": message[:32768],
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+    return [c for c in conditions if c.get("type") != type_] + [new]
+
+
+def _status_patch(wl: Slice, status: JSON) -> PatchWorkload:
+    return PatchWorkload(
+        wl.name, {"metadata": {"resourceVersion": wl.resource_version}, "status": status}, True
+    )
+
+
+def finish(wl: Slice, reason: str, message: str, now: dt.datetime) -> PatchWorkload:
+    conditions = _condition(wl.conditions, "Finished", True, reason, message, now, wl.generation)
+    return _status_patch(wl, {"conditions": conditions})
+
+
+def _clear_reservation(wl: Slice, evicted: JSON, now: dt.datetime) -> PatchWorkload:
+    """What Kueue's job framework writes once an evicted job's pods are gone: the quota is
+    free, and the Workload is back in line (at once after a preemption)."""
+    reason = str(evicted.get("reason") or "Evicted")
+    message = str(evicted.get("message") or "")
+    generation = wl.generation
+    conditions = _condition(
+        wl.conditions, "Requeued", reason in REQUEUED_AFTER, reason, message, now, generation
+    )
+    conditions = _condition(conditions, "QuotaReserved", False, "Pending", message, now, generation)
+    conditions = _condition(
+        conditions,
+        "Admitted",
+        False,
+        "NoReservation",
+        "The workload has no reservation",
+        now,
+        generation,
+    )
+    return _status_patch(wl, {"conditions": conditions, "admission": None})
