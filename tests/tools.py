@@ -181,6 +181,8 @@ def rules_of(docs: Iterable[Doc]) -> set[Rule]:
     for doc in docs:
         if doc.get("kind") not in ("Role", "ClusterRole") or aggregated(doc):
             continue
+        if str(doc["metadata"]["name"]).endswith("-for-kueue"):
+            continue  # Kueue's controller's, not the operator's
         for rule in doc.get("rules") or []:
             for group in rule.get("apiGroups") or []:
                 for resource in rule.get("resources") or []:
@@ -203,11 +205,13 @@ _WRAPPERS: dict[str, tuple[tuple[str, ...], int]] = {
     "_create_or_say": (("POST", "GET {name}"), 1),
     "_delete": (("DELETE",), 0),
     "served_resources": (("GET",), 0),
+    "_remove_finalizer": (("PATCH", "GET"), 0),
 }
 """How the wrappers of KubeApi.request map to calls on their path (and which argument the path
 is): ``create`` posts, and reads the object of that name when it exists already (to check its
 owner); ``_create_or_say`` is ``create`` with a 403 explained; ``served_resources`` reads a
-group version's discovery document."""
+group version's discovery document; ``_remove_finalizer`` patches, and reads the object again
+after a conflict."""
 
 
 def _constants() -> dict[str, str]:
@@ -219,6 +223,7 @@ def _constants() -> dict[str, str]:
         "api.VERSION": api.VERSION,
         "api.PLURAL": api.PLURAL,
         "api.POD_GROUP_API": api.POD_GROUP_API,
+        "api.KUEUE_API": api.KUEUE_API,
     }
 
 
@@ -406,11 +411,19 @@ def peering_rules(clusterwide: bool) -> set[Rule]:
     return {(str(selector.group), plural, v) for v in ("list", "watch", "patch")}
 
 
+def _kueue_rule(rule: Rule) -> bool:
+    """Granted only with kueue.enabled: Kueue's objects, and the priority classes a Kueue job's
+    Workload reads."""
+    return rule[0] == "kueue.x-k8s.io" or rule[1] == "priorityclasses"
+
+
 def expected_rbac_rules(values: Mapping[str, Any] | None = None) -> set[Rule]:
     """The least privilege for these values, derived from the code (kube.py, handlers.py, kopf)."""
     values = values or {}
     # Every call, whatever the flags: any job may ask for a NetworkPolicy (spec.networkPolicy).
     rules = operator_call_rules() | kopf_rules() | owner_reference_rules()
+    if not (values.get("kueue") or {}).get("enabled"):
+        rules = {r for r in rules if not _kueue_rule(r)}
     if int(values.get("replicaCount", 1)) > 1:
         rules |= peering_rules(bool(values.get("clusterWide")))
     return rules

@@ -46,7 +46,12 @@ CLUSTER = pytest.StashKey[ControlPlane]()
 T = TypeVar("T")
 JSON = dict[str, Any]
 
-CHART_VALUES = {"clusterWide": True, "networkPolicy": {"enabled": True}, "replicaCount": 2}
+CHART_VALUES = {
+    "clusterWide": True,
+    "networkPolicy": {"enabled": True},
+    "replicaCount": 2,
+    "kueue": {"enabled": True},
+}
 """Every option that adds RBAC on: the operator runs with the most the chart can grant, and
 no more."""
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")

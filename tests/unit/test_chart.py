@@ -28,6 +28,8 @@ VALUES: dict[str, dict[str, Any]] = {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}
     },
     "network-policy": {"networkPolicy": {"enabled": True}},
+    "kueue": {"kueue": {"enabled": True}},
+    "kueue-cluster-wide": {"clusterWide": True, "kueue": {"enabled": True}},
     "no-aggregated-roles": {"rbac": {"create": True, "aggregateToDefaultRoles": False}},
     "everything": {
         "replicaCount": 2,

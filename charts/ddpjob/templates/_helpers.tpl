@@ -121,6 +121,21 @@ namespace and CRD scanning is disabled (settings.scanning.disabled), and API dis
 - apiGroups: ["scheduling.k8s.io"]
   resources: ["podgroups"]
   verbs: ["get", "create", "patch"]
+{{- if .Values.kueue.enabled }}
+# Kueue Workloads (kueue.enabled): one per job that names a queue (label kueue.x-k8s.io/queue-name)
+# and one more for each scale up (a workload slice). The operator lists a job's Workloads by
+# Kueue's job-uid label, creates them, reads one that already exists to check it is the job's
+# (get), patches the spec (the count after a scale, active after a suspend) and removes Kueue's
+# resource-in-use finalizer once a Workload is finished (patch).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "create", "patch"]
+# Workload status: Finished when the job ends, and the reservation given back after an eviction,
+# as Kueue's own job framework writes them.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+{{- end }}
 {{- if eq (include "ddpjob.peering" .) "true" }}
 # kopf peering (replicaCount > 1): each replica lists and watches the peering objects and writes
 # its keep-alive into its own (merge patch of .status; the CRD has no status subresource). kopf
@@ -129,4 +144,18 @@ namespace and CRD scanning is disabled (settings.scanning.disabled), and API dis
   resources: [{{ if .Values.clusterWide }}"clusterkopfpeerings"{{ else }}"kopfpeerings"{{ end }}]
   verbs: ["list", "watch", "patch"]
 {{- end }}
+{{- end }}
+
+{{- /*
+The cluster-scoped objects a Kueue job's Workload needs read (kueue.enabled): the admitted
+ResourceFlavors (node labels and tolerations for the pods) and the job's priority class (Kueue
+reads a Workload's priority, it does not compute it for an external kind).
+*/ -}}
+{{- define "ddpjob.kueueReaderRules" -}}
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["resourceflavors", "workloadpriorityclasses"]
+  verbs: ["get"]
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["priorityclasses"]
+  verbs: ["get"]
 {{- end }}
