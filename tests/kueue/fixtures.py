@@ -5,9 +5,10 @@
   at the end. Its log is ``logs/kueue.log`` of the cluster, and its last lines are in the
   report of any failed test that uses the cluster.
 * ``kueue_queues`` (function): a factory
-  ``make(namespace, quota, *, node_labels=None) -> Queues`` that makes a ResourceFlavor, a
-  ClusterQueue with that quota of the flavor (every namespace may use it) and a LocalQueue
-  in ``namespace``; the test's Workloads of that LocalQueue (finalizers and all) and the three
+  ``make(namespace, quota, *, node_labels=None, preemption=None) -> Queues`` that makes a
+  ResourceFlavor (with those node labels), a ClusterQueue with that quota of the flavor (every
+  namespace may use it; ``preemption`` is its ``spec.preemption``) and a LocalQueue in
+  ``namespace``; the test's Workloads of that LocalQueue (finalizers and all) and the three
   objects are deleted afterwards.
 
 A machine where Kueue does not build or start fails these tests with the reason.
@@ -44,7 +45,8 @@ class Queues:
 
 MakeQueues = Callable[..., Queues]
 """``make(namespace: str, quota: Mapping[str, str | int], *,
-node_labels: Mapping[str, str] | None = None) -> Queues``."""
+node_labels: Mapping[str, str] | None = None, preemption: Mapping[str, str] | None = None)
+-> Queues``."""
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +76,7 @@ def kueue_queues(kueue: Kueue) -> Iterator[MakeQueues]:
         quota: Mapping[str, str | int],
         *,
         node_labels: Mapping[str, str] | None = None,
+        preemption: Mapping[str, str] | None = None,
     ) -> Queues:
         suffix = uuid.uuid4().hex[:6]
         queues = Queues(f"flavor-{suffix}", f"cq-{suffix}", f"lq-{suffix}", namespace)
@@ -93,6 +96,7 @@ def kueue_queues(kueue: Kueue) -> Iterator[MakeQueues]:
                 "kind": "ClusterQueue",
                 "metadata": {"name": queues.cluster_queue},
                 "spec": {
+                    **({"preemption": dict(preemption)} if preemption else {}),
                     "namespaceSelector": {},  # every namespace (nil would match none)
                     "resourceGroups": [
                         {
