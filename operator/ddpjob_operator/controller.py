@@ -28,8 +28,8 @@ import datetime as dt
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Generic, Protocol, TypeVar
 
 from ddpjob_operator import agents, api, builders, queue
 from ddpjob_operator.errors import SpecError
@@ -53,13 +53,14 @@ from ddpjob_operator.reconcile import (
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
+T = TypeVar("T")
 MAX_CONFLICT_RETRIES = 5
 ERROR_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
 CONCURRENCY = 16
 """API calls in flight at once for one pass (pod creations of a large job go in parallel)."""
-POD_GROUPS_CHECK_SECONDS = 300.0
-"""How long the answer to "does the cluster serve PodGroups?" is kept (asked only for jobs that
-want a gang)."""
+SERVED_CHECK_SECONDS = 300.0
+"""How long the answer to "does the cluster serve PodGroups (or Kueue's Workloads)?" is kept
+(asked only for jobs that want a gang, or name a queue)."""
 POD_GROUP_RECHECK_SECONDS = 30.0
 """While pods of a gang wait unbound, the job's PodGroup is posted again this often: a group
 someone deleted is made again (pods that name a missing group are never scheduled)."""
@@ -109,6 +110,22 @@ class Expectations:
             )
             for name in sorted(self.created)
         )
+
+
+class _Kept(Generic[T]):
+    """Answers kept for a while, by key."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._kept: dict[str, tuple[T, float]] = {}
+
+    async def get(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
+        now = time.monotonic()
+        known = self._kept.get(key)
+        if known is None or now - known[1] > self.seconds:
+            known = (await fetch(), now)
+            self._kept[key] = known
+        return known[0]
 
 
 class ActionsFailedError(Exception):
@@ -174,9 +191,9 @@ class Controller:
         self._store_keys: set[Key] = set()
         self._pod_groups: dict[Key, tuple[int, float]] = {}
         """The minCount of each job's PodGroup as last made or set, and when."""
-        self._pod_groups_served: tuple[bool, float] | None = None
-        self._workloads_served: tuple[bool, float] | None = None
-        self._flavors: dict[str, tuple[JSON | None, float]] = {}
+        self._served: _Kept[bool] = _Kept(SERVED_CHECK_SECONDS)
+        """Whether the cluster serves PodGroups, and Kueue's Workloads (discovery)."""
+        self._flavors: _Kept[JSON | None] = _Kept(FLAVOR_SECONDS)
         self._priorities: dict[Key, queue.Priority] = {}
         self._expected: dict[Key, Expectations] = {}
         self._ignored: dict[Key, list[str]] = {}
@@ -440,12 +457,7 @@ class Controller:
         """Whether the cluster serves PodGroups, for a job that wants a gang (else None)."""
         if job.spec.gang_scheduling is not api.GangScheduling.NATIVE:
             return None
-        now = time.monotonic()
-        known = self._pod_groups_served
-        if known is None or now - known[1] > POD_GROUPS_CHECK_SECONDS:
-            known = (await self.kube.pod_groups_served(), now)
-            self._pod_groups_served = known
-        return known[0]
+        return await self._served.get("podgroups", self.kube.pod_groups_served)
 
     async def _queue(self, key: Key, job: api.DDPJob, pods: list[ObservedPod]) -> queue.Plan | None:
         """What Kueue admits and what to write to the job's Workloads (a Kueue job; else None)."""
@@ -489,20 +501,10 @@ class Controller:
         return queue.plan(job, slices, pods, flavors, desired, priority, now)
 
     async def _serves_workloads(self) -> bool:
-        now = time.monotonic()
-        known = self._workloads_served
-        if known is None or now - known[1] > POD_GROUPS_CHECK_SECONDS:
-            known = (await self.kube.workloads_served(), now)
-            self._workloads_served = known
-        return known[0]
+        return await self._served.get("workloads", self.kube.workloads_served)
 
     async def _flavor(self, name: str) -> JSON | None:
-        now = time.monotonic()
-        known = self._flavors.get(name)
-        if known is None or now - known[1] > FLAVOR_SECONDS:
-            known = (await self.kube.get_resource_flavor(name), now)
-            self._flavors[name] = known
-        return known[0]
+        return await self._flavors.get(name, lambda: self.kube.get_resource_flavor(name))
 
     async def _priority(self, key: Key, job: api.DDPJob) -> queue.Priority | str:
         """The Workload's priority, as Kueue's job framework takes it: the job's

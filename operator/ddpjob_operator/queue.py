@@ -35,7 +35,7 @@ from typing import Any
 
 from . import api, builders
 from .builders import Placement
-from .observe import ObservedPod
+from .observe import ObservedPod, PodPhase
 
 JSON = dict[str, Any]
 
@@ -356,7 +356,8 @@ def plan(
         actions += [finish(s, "OutOfSync", "the job was scaled down", now) for s in pending]
         if not any(p.index >= desired and p.holds_resources for p in pods):
             lower = desired
-    actions += _sync(job, head, lower)
+    synced = _sync(job, head, lower)
+    actions += synced or _pods_ready(head, pods, count, now)
     if desired > head.count:
         asked = next(iter(pending), None)
         if asked is None:
@@ -396,6 +397,31 @@ def _not_running(
     reason = str(evicted.get("reason") or "Evicted")
     message = f"evicted by Kueue ({reason}): {evicted.get('message', '')}"
     return Plan(Admission(0, None, False, reason, message), tuple(actions))
+
+
+def _pods_ready(
+    wl: Slice, pods: Sequence[ObservedPod], count: int, now: dt.datetime
+) -> list[WorkloadAction]:
+    """``PodsReady``, as Kueue's job framework reports it (Kueue reads it only with
+    ``waitForPodsReady``, and then evicts a job that never reports it): True once the admitted
+    pods are all ready (or succeeded); False (``WaitForRecovery``) when one is lost after that.
+    Never written before it is first True: Kueue times the start from the admission either way."""
+    ready = sum(p.ready or p.phase is PodPhase.SUCCEEDED for p in pods if not p.deleting)
+    old = next((c for c in wl.conditions if c.get("type") == "PodsReady"), None)
+    was = (old or {}).get("reason")
+    if count > 0 and ready >= count:
+        status = True
+        reason = "Recovered" if was in ("WaitForRecovery", "Recovered") else "Started"
+        message = "All pods reached readiness and the workload is running"
+    elif (old or {}).get("status") == "True" or was == "WaitForRecovery":
+        status, reason = False, "WaitForRecovery"
+        message = "At least one pod has failed, waiting for recovery"
+    else:
+        return []
+    if old is not None and old.get("status") == _flag(status).title() and was == reason:
+        return []
+    conditions = _condition(wl.conditions, "PodsReady", status, reason, message, now, wl.generation)
+    return [_status_patch(wl, {"conditions": conditions})]
 
 
 def _queued(

@@ -228,6 +228,9 @@ def count_patch(wl: Slice, count: int) -> PatchWorkload:
     return PatchWorkload(wl.name, patch)
 
 
+READY = cond("PodsReady", True, "Started", "All pods reached readiness and the workload is running")
+
+
 def canonical(action: queue.WorkloadAction) -> object:
     """A status patch with its conditions keyed by type (each type once): their order in the
     list means nothing to the API server."""
@@ -623,7 +626,7 @@ def test_quota_reserved_without_admitted_waits_for_the_admission_checks() -> Non
 
 def test_a_scale_up_asks_for_a_replacement_slice_of_the_full_size_and_keeps_running() -> None:
     job = make_job(replicas=3)
-    head = admitted(job)
+    head = admitted(job, extra=[READY])
     result = planned(job, head, pods=[pod(0), pod(1)], desired=3)
     name = queue.workload_name(job, "3-1")  # the job's generation, the slices it has
     assert result.actions == (CreateWorkload(queue.build_workload(job, name, 3, Priority(), head)),)
@@ -692,7 +695,7 @@ def test_an_admitted_replacement_is_the_head_and_its_predecessor_is_finished() -
 
 def test_a_scale_down_lowers_the_count_only_once_the_surplus_pods_hold_nothing() -> None:
     job = make_job(replicas=2)
-    head = admitted(job, count=3, rv="900")
+    head = admitted(job, count=3, rv="900", extra=[READY])
     # Pod 2 still runs, then is being deleted but still running: the quota stays.
     for surplus in (pod(2), pod(2, deleting=True), pod(2, PodPhase.FAILED, sidecars_running=True)):
         result = planned(job, head, pods=[pod(0), pod(1), surplus], desired=2)
@@ -704,7 +707,7 @@ def test_a_scale_down_lowers_the_count_only_once_the_surplus_pods_hold_nothing()
         assert result.actions == (count_patch(head, 2),)
         assert result.admission.count == 2
     # Once lowered (the admission keeps its 3), nothing more is written.
-    lowered = admitted(job, count=2, admitted_count=3, rv="901")
+    lowered = admitted(job, count=2, admitted_count=3, rv="901", extra=[READY])
     result = planned(job, lowered, pods=[pod(0), pod(1)], desired=2)
     assert result.actions == ()
     assert result.admission.count == 2
@@ -1222,3 +1225,61 @@ def test_an_admitted_workload_is_never_sent_a_queue_or_template() -> None:
     document = kueue_manifest()
     document["metadata"]["labels"] = {queue.QUEUE_LABEL: "team-b"}
     assert planned(api.parse_job(document), wl).actions == ()
+
+
+# ---- PodsReady (Kueue's waitForPodsReady) -------------------------------------------------------
+
+
+def pods_ready(wl: Slice, status: bool, reason: str, message: str, since: str) -> PatchWorkload:
+    new = {
+        "type": "PodsReady",
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": GENERATION,
+    }
+    conditions = [c for c in wl.conditions if c["type"] != "PodsReady"] + [new]
+    patch = {
+        "metadata": {"resourceVersion": wl.resource_version},
+        "status": {"conditions": conditions},
+    }
+    return PatchWorkload(wl.name, patch, True)
+
+
+ALL_READY = "All pods reached readiness and the workload is running"
+
+
+def test_pods_ready_is_reported_once_every_admitted_pod_is_ready() -> None:
+    job = make_job()
+    wl = admitted(job, rv="70")
+    # Still starting: nothing written (Kueue times the start from the admission).
+    assert planned(job, wl, pods=[pod(0), pod(1, ready=False)]).actions == ()
+    assert planned(job, wl, pods=[pod(0), pod(1)]).actions == (
+        pods_ready(wl, True, "Started", ALL_READY, STAMP),
+    )
+    # A succeeded pod counts as ready; a pod being deleted does not.
+    assert planned(job, wl, pods=[pod(0), pod(1, PodPhase.SUCCEEDED, ready=False)]).actions == (
+        pods_ready(wl, True, "Started", ALL_READY, STAMP),
+    )
+    assert planned(job, wl, pods=[pod(0), pod(1, deleting=True)]).actions == ()
+
+
+def test_pods_ready_goes_false_while_a_lost_pod_is_replaced_then_recovers() -> None:
+    job = make_job()
+    ready = admitted(job, rv="71", extra=[READY])
+    assert planned(job, ready, pods=[pod(0), pod(1)]).actions == ()
+    lost = planned(job, ready, pods=[pod(0)]).actions
+    assert lost == (
+        pods_ready(
+            ready, False, "WaitForRecovery", "At least one pod has failed, waiting for recovery",
+            STAMP,
+        ),
+    )  # fmt: skip
+    waiting = admitted(
+        job, rv="72", extra=[cond("PodsReady", False, "WaitForRecovery", "At least one ...")]
+    )
+    assert planned(job, waiting, pods=[pod(0), pod(1, ready=False)]).actions == ()
+    assert planned(job, waiting, pods=[pod(0), pod(1)]).actions == (
+        pods_ready(waiting, True, "Recovered", ALL_READY, STAMP),
+    )
