@@ -54,6 +54,7 @@ from ddpjob_operator.reconcile import (
 JSON = dict[str, Any]
 Key = tuple[str, str]
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 MAX_CONFLICT_RETRIES = 5
 ERROR_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
 CONCURRENCY = 16
@@ -70,6 +71,9 @@ bigger slice, or to give back an evicted one's quota)."""
 QUEUE_WATCH_SECONDS = 5.0
 """How often an admitted Kueue job's Workload is read (a preemption is seen that late at most;
 the preemptor waits until the evicted job's pods are gone)."""
+QUEUE_STUCK_SECONDS = 30.0
+"""How often a Kueue job that cannot be queued at all is looked at again."""
+QUEUE_STUCK_REASONS = frozenset({"KueueNotServed", "KueueForbidden", "PriorityClassNotFound"})
 FLAVOR_SECONDS = 60.0
 """How long a ResourceFlavor read is kept."""
 STUCK_PASS_SECONDS = 120.0
@@ -370,6 +374,8 @@ class Controller:
         if (kueue is not None and not job.status.phase.is_finished) or (kueue and kueue.actions):
             waits = kueue.actions or not kueue.admission.admitted
             poll = QUEUE_POLL_SECONDS if waits else QUEUE_WATCH_SECONDS
+            if kueue.admission.reason in QUEUE_STUCK_REASONS:
+                poll = QUEUE_STUCK_SECONDS  # a fix by people: an RBAC grant, a class, Kueue
             due = min(due or poll, poll)
         return due
 
@@ -487,18 +493,34 @@ class Controller:
             return queue.Plan(queue.Admission(0, None, False, "KueueForbidden", message), ())
         slices = [queue.Slice.of(w) for w in listed if controller_uid(w) == uid]
         flavors: dict[str, JSON] = {}
-        for flavor in sorted({f for s in slices if s.reserved for f in s.flavors}):
-            found = await self._flavor(flavor)
+        for flavor in sorted({f for s in slices if s.admission for f in s.flavors}):
+            try:
+                found = await self._flavor(flavor)
+            except ApiError as exc:  # only new pods wait for it: nothing else depends on it
+                logger.warning("cannot read ResourceFlavor %s: %s", flavor, exc)
+                found = None
             if found is not None:
                 flavors[flavor] = found
-        priority = await self._priority(key, job)
-        if isinstance(priority, str):
-            return queue.Plan(
-                queue.Admission(0, None, False, "PriorityClassNotFound", priority), ()
-            )
         now = dt.datetime.now(dt.UTC)
         desired = desired_replicas(job.spec)
-        return queue.plan(job, slices, pods, flavors, desired, priority, now)
+        known = self._priorities.get(key)
+        planned = queue.plan(job, slices, pods, flavors, desired, known or queue.Priority(), now)
+        if known is not None or not any(
+            isinstance(a, queue.CreateWorkload) for a in planned.actions
+        ):
+            return planned
+        # The priority is read only for a new Workload: a class deleted later, or a failed read,
+        # must never hold back what the job's other Workloads need (a finish, a release).
+        priority = await self._priority(key, job)
+        if not isinstance(priority, str):
+            return queue.plan(job, slices, pods, flavors, desired, priority, now)
+        others = tuple(a for a in planned.actions if not isinstance(a, queue.CreateWorkload))
+        admission = planned.admission
+        if admission.admitted:
+            message = f"{admission.message}; cannot ask for more: {priority}"
+            return queue.Plan(dataclasses.replace(admission, message=message), others)
+        refused = queue.Admission(0, None, False, "PriorityClassNotFound", priority)
+        return queue.Plan(refused, others)
 
     async def _serves_workloads(self) -> bool:
         return await self._served.get("workloads", self.kube.workloads_served)
@@ -623,10 +645,11 @@ class Controller:
             [],
             [],
         ]
-        # Workload writes go with the deletes: each was decided on what they do not change (an
-        # eviction's reservation is cleared once no pod holds resources, a count is lowered
-        # once the surplus pods are gone).
-        groups[1] += [(self._workload_call(namespace, change), nothing) for change in workloads]
+        # Workload writes go last, and always: each was decided on what the pod actions do not
+        # change (an eviction's reservation is cleared once no pod holds resources, a count is
+        # lowered once the surplus pods are gone), and a failed one (Kueue's webhook down) must
+        # not hold back a replacement pod.
+        groups.append([(self._workload_call(namespace, change), nothing) for change in workloads])
         for action in actions:
             if isinstance(action, CreateService):
                 groups[0].append((self.kube.create_service(namespace, action.service), nothing))
@@ -655,7 +678,7 @@ class Controller:
         for index, group in enumerate(groups):
             if not group:
                 continue
-            if errors and index >= 2:
+            if errors and index in (2, 3):
                 for call, _ in group:
                     call.close()  # never awaited: no creation after a failure
                 continue
@@ -682,7 +705,13 @@ class Controller:
             return 0
         released = 0
         now = dt.datetime.now(dt.UTC)
-        for raw in await self.kube.list_workloads(namespace, job_uid):
+        try:
+            listed = await self.kube.list_workloads(namespace, job_uid)
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            return 0  # without the grant, the operator made none
+        for raw in listed:
             if controller_uid(raw) != job_uid:
                 continue
             wl = queue.Slice.of(raw)

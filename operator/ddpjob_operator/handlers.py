@@ -27,7 +27,7 @@ from typing import Any
 
 import kopf
 
-from ddpjob_operator import api, queue
+from ddpjob_operator import api
 from ddpjob_operator.controller import Controller, PodRecord, pod_record
 from ddpjob_operator.kube import controller_uid
 
@@ -195,7 +195,6 @@ async def job_deleted(
     namespace: str | None,
     name: str,
     uid: str,
-    labels: Mapping[str, str],
     memo: Any,
     logger: kopf.Logger,
     **_: Any,
@@ -207,10 +206,10 @@ async def job_deleted(
     released = await controller.release_pods(*_key(namespace, name))
     if released:
         logger.info("released %d pods of the deleted job", released)
-    if labels.get(queue.QUEUE_LABEL):
-        finished = await controller.release_workloads(_key(namespace, name)[0], uid)
-        if finished:
-            logger.info("finished and released %d Workloads of the deleted job", finished)
+    # Whatever its labels say now: one removed while the job ran would leave its Workloads.
+    finished = await controller.release_workloads(_key(namespace, name)[0], uid)
+    if finished:
+        logger.info("finished and released %d Workloads of the deleted job", finished)
 
 
 @kopf.on.probe(id="reconcile")

@@ -94,6 +94,7 @@ class Slice:
     admission: JSON | None
     queue: str
     pod_sets: tuple[JSON, ...] = ()
+    admission_checks: tuple[JSON, ...] = ()
 
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> Slice:
@@ -115,6 +116,9 @@ class Slice:
             admission=status.get("admission") or None,
             queue=str(spec.get("queueName", "")),
             pod_sets=tuple(p for p in spec.get("podSets") or () if isinstance(p, dict)),
+            admission_checks=tuple(
+                c for c in status.get("admissionChecks") or () if isinstance(c, dict)
+            ),
         )
 
     def condition(self, type_: str) -> JSON | None:
@@ -166,6 +170,17 @@ class Slice:
     @property
     def flavors(self) -> tuple[str, ...]:
         return tuple(sorted(set((self.assignment.get("flavors") or {}).values())))
+
+    @property
+    def pod_set_updates(self) -> list[JSON]:
+        """The admission checks' updates of the podSet (labels, annotations, nodeSelector,
+        tolerations)."""
+        return [
+            update
+            for check in self.admission_checks
+            for update in check.get("podSetUpdates") or ()
+            if isinstance(update, dict) and update.get("name") == PODSET
+        ]
 
     @property
     def cluster_queue(self) -> str:
@@ -299,7 +314,14 @@ def placement(head: Slice, flavors: Mapping[str, JSON]) -> Placement | None:
     labels = {PODSET_LABEL: PODSET, LOCAL_QUEUE_LABEL: head.queue}
     if head.cluster_queue and len(head.cluster_queue) <= 63:
         labels[CLUSTER_QUEUE_LABEL] = head.cluster_queue
-    return Placement(selector, tuple(tolerations), labels, {POD_WORKLOAD_ANNOTATION: head.name})
+    annotations = {POD_WORKLOAD_ANNOTATION: head.name}
+    for update in head.pod_set_updates:
+        # What an admission check (a ProvisioningRequest, say) asks of the pods.
+        selector.update(update.get("nodeSelector") or {})
+        tolerations += [t for t in update.get("tolerations") or [] if t not in tolerations]
+        labels.update(update.get("labels") or {})
+        annotations.update(update.get("annotations") or {})
+    return Placement(selector, tuple(tolerations), labels, annotations)
 
 
 def plan(
@@ -319,7 +341,8 @@ def plan(
     actions: list[WorkloadAction] = [
         ReleaseWorkload(s.name, s.uid, s.finalizers)
         for s in slices
-        if FINALIZER in s.finalizers and (s.finished or (s.deleting and not _holding(pods)))
+        if FINALIZER in s.finalizers
+        and (s.finished or (s.deleting and not (s.reserved and _holding(pods))))
     ]
     live = [s for s in slices if not s.finished and not s.deleting]
     if job.status.phase.is_finished or job.metadata.deletion_timestamp is not None:
@@ -339,7 +362,17 @@ def plan(
     ]
     gone = next((s for s in slices if s.deleting and not s.finished), None)
     if head is None:
-        return _queued(job, slices, pending, gone, desired, priority, now, actions)
+        return _queued(job, slices, pending, gone, pods, desired, priority, now, actions)
+    if head.evicted is None and not head.admitted:
+        before = next((s for s in slices if s.name == head.replaces and s.admission), None)
+        if before is not None:
+            # A scale up whose bigger slice has its quota but waits for admission checks (Kueue
+            # finished the old slice already): the job trains on at the old slice's size.
+            checks = head.said("Admitted") or "admission checks are not ready"
+            count = min(desired, before.admitted_count)
+            message = f"admitted for {count} pods; asking Kueue for {head.count}: {checks}"
+            where = placement(before, flavors)
+            return Plan(Admission(count, where, True, "Admitted", message), tuple(actions))
     if head.evicted is not None or not head.admitted:
         actions += [finish(s, "OutOfSync", "its slice was evicted", now) for s in pending]
         return _not_running(job, head, pods, now, actions)
@@ -351,25 +384,25 @@ def plan(
         f"for {head.admitted_count} pods"
     )
     lower = None
-    if desired < head.count:
-        # A scale down: the quota goes back once the surplus pods are gone.
-        actions += [finish(s, "OutOfSync", "the job was scaled down", now) for s in pending]
-        if not any(p.index >= desired and p.holds_resources for p in pods):
-            lower = desired
+    if desired < head.count and not any(p.index >= desired and p.holds_resources for p in pods):
+        lower = desired  # a scale down: the quota goes back once the surplus pods are gone
     synced = _sync(job, head, lower)
     actions += synced or _pods_ready(head, pods, count, now)
+    asked = next(iter(pending), None)
+    # A replacement that waits is resized, never finished: Kueue's scheduler admits without a
+    # resourceVersion, and may be admitting it right now. Of the same size or smaller, it is
+    # admitted at once, and replaces the running slice.
+    actions += [finish(s, "OutOfSync", "a newer slice replaced it", now) for s in pending[1:]]
     if desired > head.count:
-        asked = next(iter(pending), None)
         if asked is None:
             name = workload_name(job, f"{job.metadata.generation or 0}-{len(slices)}")
             actions.append(CreateWorkload(build_workload(job, name, desired, priority, head)))
         else:
             actions += _sync(job, asked, desired)
-        actions += [finish(s, "OutOfSync", "a newer slice replaced it", now) for s in pending[1:]]
         waiting = asked.said("QuotaReserved") if asked is not None else ""
         message += f"; asking Kueue for {desired}" + (f": {waiting}" if waiting else "")
-    elif desired == head.count:
-        actions += [finish(s, "OutOfSync", "the job was scaled back", now) for s in pending]
+    elif asked is not None:
+        actions += _sync(job, asked, desired)
     where = placement(head, flavors)
     if where is None:
         message += "; waiting to read its ResourceFlavors"
@@ -429,6 +462,7 @@ def _queued(
     slices: Sequence[Slice],
     pending: Sequence[Slice],
     gone: Slice | None,
+    pods: Sequence[ObservedPod],
     desired: int,
     priority: Priority,
     now: dt.datetime,
@@ -439,6 +473,11 @@ def _queued(
         if gone is not None:
             message = f"Workload {gone.name} is being deleted; a new one is made once it is gone"
             return Plan(Admission(0, None, False, "WorkloadDeleted", message), tuple(actions))
+        if _holding(pods):
+            # Pods made before the job was queued (the label added later, Kueue installed
+            # later): they go first, or Kueue could admit the job while they still run.
+            message = "the job's pods stop before it is queued"
+            return Plan(Admission(0, None, False, "Queued", message), tuple(actions))
         name = workload_name(job, f"{job.metadata.generation or 0}-{len(slices)}" if slices else "")
         actions.append(CreateWorkload(build_workload(job, name, desired, priority)))
         message = f"Workload {name} created in LocalQueue {queue_name(job)}"
@@ -563,9 +602,23 @@ def _clear_reservation(wl: Slice, evicted: JSON, now: dt.datetime) -> PatchWorkl
     reason = str(evicted.get("reason") or "Evicted")
     message = str(evicted.get("message") or "")
     generation = wl.generation
+    # Kueue requeues a reactivated Workload only when the reason is exactly Deactivated (not
+    # DeactivatedDueTo...): a job it deactivated itself could then never run again.
+    requeued = "Deactivated" if reason.startswith("Deactivated") else reason
     conditions = _condition(
-        wl.conditions, "Requeued", reason in REQUEUED_AFTER, reason, message, now, generation
+        wl.conditions, "Requeued", reason in REQUEUED_AFTER, requeued, message, now, generation
     )
+    if any(c.get("type") == "PodsReady" for c in conditions):
+        # Its next admission starts over: Kueue's start timeout applies again.
+        conditions = _condition(
+            conditions,
+            "PodsReady",
+            False,
+            "WaitForStart",
+            "Not all pods are ready or succeeded",
+            now,
+            generation,
+        )
     conditions = _condition(conditions, "QuotaReserved", False, "Pending", message, now, generation)
     conditions = _condition(
         conditions,

@@ -100,10 +100,9 @@ MAX_NEW_ACCOUNTED = 500
 INVALID_SPEC = "InvalidSpec"
 """The condition (and reason) of a spec the operator cannot parse; never terminal."""
 DEFERRED_REQUEUE = 1.0
-
+"""Seconds until the next pass when this one left work for it (the per-pass bounds)."""
 UNBOUNDED = 1 << 30
 """More pods than any job asks for (no bound)."""
-"""Seconds until the next pass when this one left work for it (the per-pass bounds)."""
 STRANDED_AFTER_SECONDS = 30.0
 """How long a completing job still waits for its pods that are not ready after its first pod
 succeeded: a member of the last round may still be on its way out (a pod succeeds after the

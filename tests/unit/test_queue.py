@@ -665,15 +665,16 @@ def test_a_scale_up_resizes_the_replacement_that_waits_instead_of_making_another
     assert planned(job, head, same, desired=3).actions == ()
 
 
-def test_a_scale_back_to_the_admitted_size_finishes_the_replacement_that_waits() -> None:
+def test_a_scale_back_to_the_admitted_size_resizes_the_replacement_that_waits() -> None:
+    """Never finished: Kueue's scheduler admits without a resourceVersion and may be admitting it
+    right now (a Finished and admitted replacement would leave the job no slice at all)."""
     job = make_job()
     head = admitted(job)
     asked = pending(job, "ddpjob-demo-r3p1c", count=3, replaces=head)
     result = planned(job, head, asked, desired=2)
-    assert [canonical(a) for a in result.actions] == [
-        canonical(finished(asked, "OutOfSync", "the job was scaled back"))
-    ]
+    assert result.actions == (count_patch(asked, 2),)
     assert result.admission.count == 2
+    assert result.admission.message == "admitted by ClusterQueue cq (flavors: f1) for 2 pods"
 
 
 def test_an_admitted_replacement_is_the_head_and_its_predecessor_is_finished() -> None:
@@ -714,15 +715,12 @@ def test_a_scale_down_lowers_the_count_only_once_the_surplus_pods_hold_nothing()
     assert result.admission.message == "admitted by ClusterQueue cq (flavors: f1) for 2 pods"
 
 
-def test_a_scale_down_finishes_a_replacement_that_waits() -> None:
+def test_a_scale_down_resizes_a_replacement_that_waits() -> None:
     job = make_job(replicas=1)
     head = admitted(job)
     asked = pending(job, "ddpjob-demo-r3p1c", count=3, replaces=head)
     result = planned(job, head, asked, pods=[pod(0)], desired=1)
-    assert [canonical(a) for a in result.actions] == [
-        canonical(finished(asked, "OutOfSync", "the job was scaled down")),
-        canonical(count_patch(head, 1)),
-    ]
+    assert result.actions == (count_patch(head, 1), count_patch(asked, 1))
 
 
 # ---- plan: eviction ------------------------------------------------------------------------------
@@ -1283,3 +1281,96 @@ def test_pods_ready_goes_false_while_a_lost_pod_is_replaced_then_recovers() -> N
     assert planned(job, waiting, pods=[pod(0), pod(1)]).actions == (
         pods_ready(waiting, True, "Recovered", ALL_READY, STAMP),
     )
+
+
+# ---- what the review of the integration found ---------------------------------------------------
+
+
+def test_a_bigger_slice_that_waits_for_admission_checks_keeps_the_job_at_its_old_size() -> None:
+    """Kueue finishes the old slice as soon as it reserves quota for the replacement, before
+    the replacement's admission checks are ready: the job must not lose its pods meanwhile."""
+    job = make_job(replicas=3)
+    replaced = cond("Finished", True, "WorkloadSliceReplaced", "Replaced to accommodate ...")
+    old = admitted(job, extra=[replaced])
+    checks = cond("Admitted", False, "UnsatisfiedChecks", "The workload has not all checks ready")
+    new = stored(
+        job, "ddpjob-demo-r3p1c", 3, conditions=[RESERVED, checks], admission=assigned(3),
+        replaces=old,
+    )  # fmt: skip
+    result = planned(job, old, new, pods=[pod(0), pod(1)], desired=3)
+    assert result.admission == Admission(
+        2,
+        kueue_placement(old, {"pool": "a100"}, GPU_TOLERATION),
+        True,
+        "Admitted",
+        "admitted for 2 pods; asking Kueue for 3: The workload has not all checks ready",
+    )
+    assert result.actions == (ReleaseWorkload(old.name, old.uid, (queue.FINALIZER,)),)
+
+
+def test_admission_checks_pod_set_updates_reach_the_pods() -> None:
+    job = make_job()
+    wl = admitted(job)
+    update = {
+        "name": "main",
+        "labels": {"autoscaling.x-k8s.io/provisioning": "yes"},
+        "annotations": {"autoscaling.x-k8s.io/consume-provisioning-request": "pr-1"},
+        "nodeSelector": {"zone": "a"},
+        "tolerations": [{"key": "booked", "operator": "Exists"}],
+    }
+    body = {"metadata": {"name": wl.name}, "spec": {"podSets": list(wl.pod_sets)},
+            "status": {"admission": wl.admission, "conditions": list(wl.conditions),
+                       "admissionChecks": [{"name": "prov", "state": "Ready",
+                                            "podSetUpdates": [update, {"name": "other"}]}]}}  # fmt: skip
+    where = queue.placement(Slice.of(body), FLAVORS)
+    assert where is not None
+    assert where.node_selector == {"pool": "a100", "zone": "a"}
+    assert where.tolerations == (GPU_TOLERATION, {"key": "booked", "operator": "Exists"})
+    assert where.labels["autoscaling.x-k8s.io/provisioning"] == "yes"
+    assert where.annotations == {
+        queue.POD_WORKLOAD_ANNOTATION: wl.name,
+        "autoscaling.x-k8s.io/consume-provisioning-request": "pr-1",
+    }
+
+
+def test_clearing_a_reservation_starts_pods_ready_over_and_requeues_a_kueue_deactivation() -> None:
+    job = make_job()
+    deactivated = cond(
+        "Evicted", True, "DeactivatedDueToRequeuingLimitExceeded", "exceeded the requeuing limit"
+    )
+    wl = admitted(job, extra=[deactivated, READY], rv="77")
+    (action,) = planned(job, wl).actions
+    assert isinstance(action, PatchWorkload) and action.status
+    conditions = {c["type"]: c for c in action.patch["status"]["conditions"]}
+    # Reactivation (active true again) requeues only the exact reason Deactivated.
+    assert (conditions["Requeued"]["status"], conditions["Requeued"]["reason"]) == (
+        "False",
+        "Deactivated",
+    )
+    ready = conditions["PodsReady"]
+    assert (ready["status"], ready["reason"], ready["lastTransitionTime"]) == (
+        "False",
+        "WaitForStart",
+        STAMP,
+    )
+
+
+def test_a_deleted_slice_that_holds_no_quota_is_released_while_the_job_runs() -> None:
+    job = make_job()
+    head = admitted(job, extra=[READY])
+    gone = pending(job, "ddpjob-demo-r3p1c", count=3, deleting=True, replaces=head)
+    result = planned(job, head, gone, pods=[pod(0), pod(1)])
+    assert result.actions == (ReleaseWorkload(gone.name, gone.uid, (queue.FINALIZER,)),)
+    assert result.admission.count == 2
+
+
+def test_a_job_that_runs_when_it_is_queued_is_queued_once_its_pods_are_gone() -> None:
+    """The label added to a running job (or Kueue installed later): Kueue must not admit it
+    while its old pods still hold resources."""
+    job = make_job()
+    result = planned(job, pods=[pod(0)])
+    assert result == Plan(
+        Admission(0, None, False, "Queued", "the job's pods stop before it is queued"), ()
+    )
+    (action,) = planned(job, pods=[pod(0, PodPhase.SUCCEEDED)]).actions
+    assert isinstance(action, CreateWorkload)
