@@ -13,8 +13,9 @@ templates only tolerate the taint), so a pod that runs shows that the flavor was
 * A higher-priority job preempts a training one: its pods go, uncharged; it waits Queued with
   ``Admitted=False/Preempted``; when the preemptor ends it is admitted again and resumes from its
   checkpoint (real training), every step done.
-* Elastic: a scale up beyond the quota asks for a bigger slice and keeps training at the old
-  size; another job's scale down gives quota back at once, and the bigger slice is admitted.
+* Elastic: a scale down gives quota back at once, and a waiting job gets it; a scale up beyond
+  the quota asks for a bigger slice and keeps running at the old size until the quota is
+  there (another job ends), then the bigger slice is admitted and the new pod made.
 """
 
 from __future__ import annotations
@@ -199,8 +200,11 @@ def test_two_jobs_queue_for_one_quota_and_run_one_after_the_other(
     # Suspending it gives the quota back through spec.active; resuming takes it again.
     real.patch_job("second", {"spec": {"suspend": True}})
     wait_for(lambda: live(real, "second") == [], "the suspended job's pods gone", timeout=60)
-    [wl] = workloads(real, kueue, second)
-    assert wl["spec"]["active"] is False
+    wait_for(
+        lambda: workloads(real, kueue, second)[0]["spec"]["active"] is False,
+        "the suspended job's Workload inactive",
+        timeout=30,
+    )
     wait_for(
         lambda: not is_true(workloads(real, kueue, second)[0], "QuotaReserved"),
         "the suspended job's quota given back",
@@ -339,7 +343,7 @@ def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_c
     assert set(range(resumed[0], steps)) <= rank0, sorted(rank0)[:5]
 
 
-def test_elastic_scale_up_waits_for_quota_and_a_scale_down_gives_it_back(
+def test_a_scale_down_gives_quota_to_a_waiting_job_and_a_scale_up_waits_for_quota(
     real: RealEnv, kueue: Kueue, kueue_queues: MakeQueues
 ) -> None:
     kube = real.k
@@ -354,6 +358,26 @@ def test_elastic_scale_up_waits_for_quota_and_a_scale_down_gives_it_back(
     real.run_pods("grower")
     real.run_pods("shrinker")
     [first_slice] = workloads(real, kueue, grower)
+
+    # The quota is full: a third job waits, with no pod.
+    one: JSON = {"replicas": 1, "minReplicas": 1, "maxReplicas": 1, "template": template()}
+    waiter = queued_job(real, "waiter", queues, **one)
+    wait_for(lambda: real.status("waiter").get("phase") == "Queued", "the waiter Queued", 30)
+    stays(lambda: real.pods("waiter") == [], "the waiter made a pod before admission", 5)
+
+    # A scale down: the surplus pod goes, the slice's count drops to 1, and the freed CPU goes
+    # to the waiting job.
+    real.scale("shrinker", 1)
+    wait_for(lambda: len(live(real, "shrinker")) == 1, "the shrinker at 1 pod", timeout=60)
+    wait_for(
+        lambda: workloads(real, kueue, shrinker)[0]["spec"]["podSets"][0]["count"] == 1,
+        "the shrinker's slice lowered to 1",
+        timeout=30,
+    )
+    wait_for(lambda: len(bound(real, "waiter")) == 1, "the waiter admitted and bound", 60)
+    [admitted_waiter] = workloads(real, kueue, waiter)
+    assert is_true(admitted_waiter, "Admitted")
+    assert len(live(real, "shrinker")) == 1 and real.status("shrinker")["phase"] == "Running"
 
     # A scale up beyond the quota: a bigger slice is asked for, and the job keeps its 2 pods.
     real.scale("grower", 3)
@@ -378,15 +402,11 @@ def test_elastic_scale_up_waits_for_quota_and_a_scale_down_gives_it_back(
     said = condition(real.job("grower"), "Admitted")
     assert said["status"] == "True" and "asking Kueue for 3" in said["message"], said
 
-    # The other job scales down: its surplus pod goes, its slice's count drops to 1, and the
-    # freed CPU lets Kueue admit the bigger slice, which replaces the first one.
-    real.scale("shrinker", 1)
-    wait_for(lambda: len(live(real, "shrinker")) == 1, "the shrinker at 1 pod", timeout=60)
-    wait_for(
-        lambda: workloads(real, kueue, shrinker)[0]["spec"]["podSets"][0]["count"] == 1,
-        "the shrinker's slice lowered to 1",
-        timeout=30,
-    )
+    # The waiter ends: its CPU lets Kueue admit the bigger slice, which replaces the first one,
+    # and only then is the third pod made.
+    real.run_pods("waiter")
+    real.finish_pod("waiter-worker-0", exit_code=0, reason="Completed")
+    wait_for(lambda: real.status("waiter").get("phase") == "Succeeded", "waiter Succeeded", 60)
     wait_for(lambda: len(bound(real, "grower")) == 3, "the grower's 3rd pod bound", timeout=60)
     slices = workloads(real, kueue, grower)
     old = next(w for w in slices if w["metadata"]["name"] == first_slice["metadata"]["name"])
