@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ddpjob_operator.local.pods import ContainerProcess, spawn
@@ -99,6 +100,16 @@ time.sleep(600)
 """
 
 
+def _orphaned(tag: str) -> bool:
+    """Exactly the root and the orphan (the sleeper) are left of the ORPHAN script's tree."""
+    pids = tagged_pids(tag)
+    commands = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            commands.append(" ".join(psutil.Process(pid).cmdline()))
+    return len(pids) == 2 and any("import time; time.sleep(600)" in c for c in commands)
+
+
 def test_a_container_with_a_cgroup_kills_the_orphans_its_tree_lost(tmp_path: Path) -> None:
     """The process kubelet reads a container's members from its cgroup (``members``): an
     orphan whose parent died has left the root's tree, never the cgroup, and dies with it."""
@@ -118,7 +129,9 @@ def test_a_container_with_a_cgroup_kills_the_orphans_its_tree_lost(tmp_path: Pat
         env=env, cwd=tmp_path, log_path=tmp_path / "pod.log", members=members,
     )  # fmt: skip
     try:
-        wait_until("the root and the orphan", lambda: len(tagged_pids(tag)) == 2, timeout=60)
+        # Not merely two tagged processes: for a moment the root and the short-lived middle one
+        # are two too, before the orphan is started.
+        wait_until("the root and the orphan", lambda: _orphaned(tag), timeout=60)
         assert len(container.all_processes()) == 2
         container.kill()
         wait_until("the container gone", lambda: container.reap(now=2.0), timeout=30)

@@ -781,6 +781,10 @@ class Kubelet:
                 continue  # nothing to do while it runs: poll() above is the cheap check
             c.walked = now
             if c.proc.reap(now):
+                if c.terminated is None:
+                    # Killed at the end of its grace period and gone within this same reap:
+                    # its exit is recorded here, or its status would read "never started".
+                    self.record_exit(pod, c)
                 c.proc.close()
                 if c.cgroup is not None and self.cgroups is not None:
                     self.cgroups.remove(c.cgroup)
