@@ -206,12 +206,13 @@ _WRAPPERS: dict[str, tuple[tuple[str, ...], int]] = {
     "_delete": (("DELETE",), 0),
     "served_resources": (("GET",), 0),
     "_remove_finalizer": (("PATCH", "GET"), 0),
+    "_get_or_none": (("GET",), 0),
 }
 """How the wrappers of KubeApi.request map to calls on their path (and which argument the path
 is): ``create`` posts, and reads the object of that name when it exists already (to check its
 owner); ``_create_or_say`` is ``create`` with a 403 explained; ``served_resources`` reads a
 group version's discovery document; ``_remove_finalizer`` patches, and reads the object again
-after a conflict."""
+after a conflict; ``_get_or_none`` reads one object."""
 
 
 def _constants() -> dict[str, str]:

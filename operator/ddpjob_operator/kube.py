@@ -345,14 +345,9 @@ class KubeApi:
         return list(result.get("items") or [])
 
     async def get_workload(self, namespace: str, name: str) -> JSON | None:
-        try:
-            return await self.request(
-                "GET", f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads/{name}"
-            )
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return await self._get_or_none(
+            f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads/{name}"
+        )
 
     async def create_workload(self, namespace: str, workload: JSON) -> None:
         await self._create_or_say(
@@ -396,29 +391,24 @@ class KubeApi:
 
     async def get_resource_flavor(self, name: str) -> JSON | None:
         """A ResourceFlavor (cluster-scoped), or None if there is none of that name."""
-        try:
-            return await self.request("GET", f"/apis/{api.KUEUE_API}/resourceflavors/{name}")
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return await self._get_or_none(f"/apis/{api.KUEUE_API}/resourceflavors/{name}")
 
     async def priority_value(self, kueue_class: bool, name: str) -> int | None:
         """The value of a Kueue WorkloadPriorityClass, or of a PriorityClass; None if absent."""
+        if kueue_class:
+            found = await self._get_or_none(f"/apis/{api.KUEUE_API}/workloadpriorityclasses/{name}")
+        else:
+            found = await self._get_or_none(f"/apis/scheduling.k8s.io/v1/priorityclasses/{name}")
+        return None if found is None else int(found.get("value") or 0)
+
+    async def _get_or_none(self, path: str) -> JSON | None:
+        """The object at ``path``, or None if there is none."""
         try:
-            if kueue_class:
-                found = await self.request(
-                    "GET", f"/apis/{api.KUEUE_API}/workloadpriorityclasses/{name}"
-                )
-            else:
-                found = await self.request(
-                    "GET", f"/apis/scheduling.k8s.io/v1/priorityclasses/{name}"
-                )
+            return await self.request("GET", path)
         except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
-        return int(found.get("value") or 0)
 
     async def _create_or_say(
         self, namespace: str, path: str, body: JSON, kind: str, what: str, fix: str
