@@ -148,28 +148,36 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 # ---- point 5 -------------------------------------------------------------------------------------
 
 
-def test_a_network_policy_it_may_not_create_is_reported_and_no_pod_starts(world: World) -> None:
-    # The fault lasts until the test lifts it: with a count, the operator's retries could use it
-    # up before the test looks at the pods (seen once in CI, under load).
-    world.control.add_fault(
-        "POST",
-        r"/networkpolicies$",
-        403,
-        count=10_000,
-        message='networkpolicies.networking.k8s.io is forbidden: User "system:serviceaccount:'
-        'ddpjob-system:ddpjob" cannot create resource "networkpolicies"',
-    )
-    world.create_job("alpha", networkPolicy=True)
-    [message, *_] = wait_for(lambda: world.events("alpha", "ActionFailed"), "an ActionFailed event")
-    assert "NetworkPolicy default/alpha-ddpjob" in message
-    assert "spec.networkPolicy: false" in message and "networkpolicies" in message
+def _refused_until_lifted(world: World, job: str, resource: str, message: str, **spec: Any) -> str:
+    """Refuse every create of `resource` with a 403 until a retry was refused too, and check the
+    job has no pod by then; then lift the refusal. Returns the job's ActionFailed message.
+
+    With a fault of a few counts the operator's retries could use it up before the test looks at
+    the pods (seen once in CI, under load)."""
+    world.control.add_fault("POST", rf"/{resource}$", 403, count=10_000, message=message)
+    world.create_job(job, **spec)
+    [event, *_] = wait_for(lambda: world.events(job, "ActionFailed"), "an ActionFailed event")
     wait_for(
-        lambda: world.control.count_requests("create", "networkpolicies", status=403) >= 2,
-        "a retry of the refused policy",
+        lambda: world.control.count_requests("create", resource, status=403) >= 2,
+        f"a retry of the refused {resource}",
         timeout=30,
     )
-    assert world.pods("alpha") == []  # never a pod without the policy it asked for
+    assert world.pods(job) == []  # never a pod without what it needs
     world.control.clear_faults()
+    return str(event)
+
+
+def test_a_network_policy_it_may_not_create_is_reported_and_no_pod_starts(world: World) -> None:
+    message = _refused_until_lifted(
+        world,
+        "alpha",
+        "networkpolicies",
+        'networkpolicies.networking.k8s.io is forbidden: User "system:serviceaccount:'
+        'ddpjob-system:ddpjob" cannot create resource "networkpolicies"',
+        networkPolicy=True,
+    )
+    assert "NetworkPolicy default/alpha-ddpjob" in message
+    assert "spec.networkPolicy: false" in message and "networkpolicies" in message
     assert wait_for(
         lambda: world.control.get_object(
             "networking.k8s.io/v1/networkpolicies", "default", "alpha-ddpjob"
@@ -315,19 +323,15 @@ def test_a_service_of_the_jobs_name_that_is_not_its_own_is_reported(world: World
 
 
 def test_a_store_key_secret_it_may_not_create_is_reported_and_no_pod_starts(world: World) -> None:
-    world.control.add_fault(
-        "POST",
-        r"/secrets$",
-        403,
-        count=3,
-        message='secrets is forbidden: User "system:serviceaccount:ddpjob-system:ddpjob" '
+    message = _refused_until_lifted(
+        world,
+        "theta",
+        "secrets",
+        'secrets is forbidden: User "system:serviceaccount:ddpjob-system:ddpjob" '
         'cannot create resource "secrets"',
     )
-    world.create_job("theta")
-    [message, *_] = wait_for(lambda: world.events("theta", "ActionFailed"), "an ActionFailed event")
     assert "cannot create Secret default/theta-store-key" in message
     assert "grant the operator create and get on secrets" in message and "rbac.create" in message
-    assert world.pods("theta") == []  # their env reads the Secret: they could not start
     secret = wait_for(
         lambda: world.control.get_object("v1/secrets", "default", "theta-store-key"),
         "the Secret once the operator may create it",
