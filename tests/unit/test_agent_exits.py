@@ -15,6 +15,14 @@ def _sleeper(seconds: float, code: int = 0) -> subprocess.Popen[bytes]:
     )
 
 
+def _held(code: int) -> subprocess.Popen[bytes]:
+    """A child that exits with ``code`` when its stdin is closed: the test says when."""
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import os, sys; sys.stdin.read(); os._exit({code})"],
+        stdin=subprocess.PIPE,
+    )
+
+
 def _wait_for(clock: ExitClock, pid: int, timeout: float = 10.0) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -26,12 +34,20 @@ def _wait_for(clock: ExitClock, pid: int, timeout: float = 10.0) -> float:
 
 
 def test_exit_times_follow_the_order_processes_exit_in_not_the_order_they_are_polled() -> None:
+    # The test orders the exits (not sleeps, which a loaded machine stretches): the early one is
+    # let go, and the late one 0.3 s after the clock has recorded the early exit.
     clock = ExitClock()
-    late, early = _sleeper(0.6, code=3), _sleeper(0.2, code=1)
+    late, early = _held(code=3), _held(code=1)
+    assert late.stdin is not None and early.stdin is not None
     started = time.time()
     clock.watch([late.pid, early.pid])
     assert clock.exited_at(early.pid) is None
-    early_at, late_at = _wait_for(clock, early.pid), _wait_for(clock, late.pid)
+    early.stdin.close()
+    early_at = _wait_for(clock, early.pid)
+    time.sleep(0.3)
+    assert clock.exited_at(late.pid) is None
+    late.stdin.close()
+    late_at = _wait_for(clock, late.pid)
     # Polled afterwards, in the other order: the times are still those of the exits.
     assert late.wait() == 3
     assert early.wait() == 1  # left unreaped for Popen: the exit code is still there
