@@ -191,6 +191,8 @@ class Controller:
         self._written: dict[Key, _Written] = {}
         self._phases: dict[Key, api.JobPhase] = {}
         self._in_flight: dict[Key, float] = {}
+        self._passes: dict[Key, asyncio.Event] = {}
+        """Set when the job's running pass ends (see :meth:`pass_over`)."""
         self._policies: set[Key] = set()
         self._store_keys: set[Key] = set()
         self._pod_groups: dict[Key, tuple[int, float]] = {}
@@ -266,6 +268,7 @@ class Controller:
     ) -> float | None:
         """One pass, with a fresh read and a new decision after each stale status write."""
         self._in_flight[key] = time.monotonic()
+        ended = self._passes[key] = asyncio.Event()
         started = time.perf_counter()
         try:
             raw = self._freshest(key, body)
@@ -281,6 +284,9 @@ class Controller:
             )
         finally:
             self._in_flight.pop(key, None)
+            if self._passes.get(key) is ended:
+                del self._passes[key]
+            ended.set()
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
 
     def _freshest(self, key: Key, body: Mapping[str, Any]) -> JSON:
@@ -697,6 +703,21 @@ class Controller:
                 namespace, change.name, change.patch, status=change.status
             )
         return self.kube.release_workload(namespace, change.name, change.uid, change.finalizers)
+
+    async def pass_over(self, key: Key, timeout: float = STUCK_PASS_SECONDS) -> bool:
+        """Wait until the job's running pass, if any, has ended; False after ``timeout``.
+
+        For a deleted job: kopf has told its loop to stop before the delete handler runs, but a
+        pass already under way may still create a pod or a Workload after the handler listed
+        them to release. A pod is released by its own event; a Workload is not watched."""
+        ended = self._passes.get(key)
+        if ended is None:
+            return True
+        try:
+            await asyncio.wait_for(ended.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def release_workloads(self, namespace: str, job_uid: str) -> int:
         """A deleted job's Workloads: Finished (``OwnerNotFound``) and without Kueue's

@@ -203,6 +203,8 @@ async def job_deleted(
     for a Kueue job, of its Workloads too (Kueue's finalizer, which only the job's controller
     removes while a Workload still has its owner reference)."""
     controller: Controller = memo.controller
+    if not await controller.pass_over(_key(namespace, name)):
+        logger.warning("the job's last reconcile pass is still running; releasing anyway")
     released = await controller.release_pods(*_key(namespace, name))
     if released:
         logger.info("released %d pods of the deleted job", released)

@@ -241,3 +241,51 @@ def test_a_secret_the_operator_may_not_create_names_the_verbs_and_the_chart_valu
     )
     assert "pods are not created until the Secret exists" in message
     assert "k3y" not in message and "azN5" not in message  # neither the key nor its base64
+
+
+# ---- a deleted job's last pass ------------------------------------------------------------------
+
+
+def test_the_delete_handler_waits_for_the_pass_under_way() -> None:
+    """kopf stops a deleted job's loop and runs the delete handler at once; a pass already
+    creating something must end before the handler lists what to release (a Workload made after
+    the list would keep Kueue's finalizer for ever)."""
+
+    class SlowKube(RecordingKube):
+        def __init__(self, body: dict[str, Any]) -> None:
+            super().__init__(body)
+            self.go = asyncio.Event()
+
+        async def create_pod(self, ns: str, pod: Any) -> None:
+            await self.go.wait()
+            await super().create_pod(ns, pod)
+
+    body = manifest()
+    body["metadata"]["resourceVersion"] = "1"
+    key = ("ml", "demo")
+
+    async def scenario() -> list[str]:
+        kube = SlowKube(body)
+        ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+        assert await ctl.pass_over(key, timeout=0.01)  # no pass: nothing to wait for
+        order: list[str] = []
+        running = asyncio.create_task(
+            ctl.run_pass(key, body, logging.getLogger("test"), list, lambda: True, lambda *_: None)
+        )
+        while not kube.secrets:
+            await asyncio.sleep(0.001)
+        assert not await ctl.pass_over(key, timeout=0.05)  # still creating its pods
+
+        async def handler() -> None:
+            assert await ctl.pass_over(key)
+            order.append(f"released after {len([c for c in kube.calls if c[0] == 'pod'])} pods")
+
+        waiting = asyncio.create_task(handler())
+        await asyncio.sleep(0.05)
+        order.append("pods let through")
+        kube.go.set()
+        await asyncio.gather(running, waiting)
+        assert await ctl.pass_over(key, timeout=0.01)
+        return order
+
+    assert asyncio.run(scenario()) == ["pods let through", "released after 2 pods"]
