@@ -344,6 +344,9 @@ class Controller:
             self._account_metrics(job, decision)
         self._phases[key] = decision.status.phase
         self.metrics.set_phases(self._phases)
+        # The job has no pod and gets its first ones (it starts, resumes, or is admitted again):
+        # its NetworkPolicy and Secret are posted again, so one deleted meanwhile is made anew.
+        afresh = not everyone and any(isinstance(a, CreatePod) for a in decision.actions)
         try:
             await self._execute(
                 key,
@@ -351,8 +354,8 @@ class Controller:
                 decision.actions,
                 records,
                 expected,
-                self._network_policy(key, job),
-                self._store_key_secret(key, job),
+                self._network_policy(key, job, afresh),
+                self._store_key_secret(key, job, afresh),
                 self._pod_group(key, job, served, seen),
                 kueue.actions if kueue is not None else (),
             )
@@ -446,20 +449,23 @@ class Controller:
         logger.error("invalid DDPJob: %s", message)
         emit("Warning", INVALID_SPEC, message)
 
-    def _network_policy(self, key: Key, job: api.DDPJob) -> JSON | None:
-        """The job's NetworkPolicy, if it wants one that this operator has not made yet."""
+    def _network_policy(self, key: Key, job: api.DDPJob, afresh: bool = False) -> JSON | None:
+        """The job's NetworkPolicy, if it wants one that this operator has not made yet (or the
+        job gets its first pods ``afresh``)."""
         wanted = job.spec.network_policy
         if wanted is None:
             wanted = self.config.network_policy
-        if not wanted or key in self._policies or job.status.phase.is_finished:
+        if not wanted or (key in self._policies and not afresh) or job.status.phase.is_finished:
             return None
         return builders.build_network_policy(job)
 
-    def _store_key_secret(self, key: Key, job: api.DDPJob) -> JSON | None:
+    def _store_key_secret(self, key: Key, job: api.DDPJob, afresh: bool = False) -> JSON | None:
         """The job's store-key Secret with a new random key, unless this operator has made (or
-        found) it already. After a restart it is posted again: the 409 for the job's own Secret
-        is success, and the key in it stays the one its pods read."""
-        if key in self._store_keys or job.status.phase.is_finished:
+        found) it already. After a restart, and whenever the job gets its first pods
+        (``afresh``), it is posted again: the 409 for the job's own Secret is success, and the
+        key in it stays the one its pods read; a Secret deleted meanwhile is made with a new
+        key, which no running pod holds an older one of."""
+        if (key in self._store_keys and not afresh) or job.status.phase.is_finished:
             return None
         if job.metadata.deletion_timestamp is not None:
             return None

@@ -12,6 +12,7 @@ collector decide:
   grace 0 moves ``deletionTimestamp``), counts as ``Deleted``, not charged;
 * 11: a job deleted and created again under its name waits for the old pods (``NameInUse``)
   and never adopts or counts them;
+* 11 (later): a store-key Secret deleted while the job is suspended is made anew on resume;
 * 12: a Service of the job's name that is not the job's is reported, and no pod starts;
 * 16: a template change that CEL's map equality would skip (nodeSelector swapped for affinity)
   is refused while the job runs;
@@ -106,6 +107,28 @@ def test_a_pod_deleted_while_no_operator_runs_counts_as_deleted(real: RealEnv) -
     assert [(f["reason"], f["charged"]) for f in status["failures"]] == [("Deleted", False)]
     assert (status["restarts"], status.get("backoffCount", 0)) == (1, 0)
     assert new["metadata"]["finalizers"] == ["ddpjob.io/pod-tracking"]
+
+
+def test_a_store_key_secret_deleted_while_suspended_is_made_anew_on_resume(
+    real: RealEnv,
+) -> None:
+    # Without it the resumed job's pods would wait in CreateContainerConfigError (their env
+    # reads the Secret) until the operator restarted.
+    real.start_operator()
+    real.create_job("mu", replicas=2)
+    real.run_pods("mu")
+    path = f"/api/v1/namespaces/{real.ns(None)}/secrets/mu-store-key"
+    old = real.get_object("v1/secrets", real.ns(None), "mu-store-key")
+    assert old is not None
+    real.patch_job("mu", {"spec": {"suspend": True}})
+    wait_for(lambda: real.pods("mu") == [], "the suspended job's pods gone", timeout=60)
+    assert real.delete(path) == 200
+    real.patch_job("mu", {"spec": {"suspend": False}})
+    assert len(real.run_pods("mu")) == 2  # their containers started: the Secret was there
+    new = real.get_object("v1/secrets", real.ns(None), "mu-store-key")
+    assert new is not None and new["metadata"]["uid"] != old["metadata"]["uid"]
+    assert new["metadata"]["ownerReferences"][0]["name"] == "mu"
+    assert new["data"]["key"] != old["data"]["key"]
 
 
 def test_a_job_created_again_under_its_name_does_not_adopt_the_old_pods(

@@ -195,6 +195,39 @@ def test_the_store_key_secret_is_made_once_and_before_any_pod(
     assert base64.b64decode(kube.secrets[1]["data"]["key"]).decode() != key
 
 
+def test_a_job_that_gets_its_first_pods_again_posts_its_secret_and_policy_again() -> None:
+    """A Secret (or NetworkPolicy) deleted while the job had no pod (suspended, queued) is made
+    anew when the job starts again: its new pods would otherwise wait in
+    CreateContainerConfigError until the operator restarts."""
+
+    class PolicyKube(RecordingKube):
+        async def create_network_policy(self, ns: str, policy: Any) -> None:
+            self.calls.append(("policy", policy["metadata"]["name"]))
+
+    body = manifest(suspend=True, networkPolicy=True)
+    body["metadata"]["resourceVersion"] = "1"
+    kube = PolicyKube(body)
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    one_pass(ctl, body)  # suspended: the policy and the Secret are made, no pod
+    assert kube.calls == [("policy", "demo-ddpjob"), ("secret", "demo-store-key")]
+    kube.calls.clear()
+    one_pass(ctl, body)  # still no pod to make: nothing is posted again
+    assert kube.calls == []
+    body["spec"]["suspend"] = False  # resumed; someone deleted the Secret meanwhile
+    one_pass(ctl, body)
+    first, pods = kube.calls[:3], kube.calls[3:]  # the first group runs concurrently
+    assert sorted(first) == [
+        ("policy", "demo-ddpjob"),
+        ("secret", "demo-store-key"),
+        ("service", "demo"),
+    ]
+    assert pods == [("pod", "demo-worker-0"), ("pod", "demo-worker-1")]
+    assert len(kube.secrets) == 2  # a new one, with a key of its own
+    kube.calls.clear()
+    one_pass(ctl, body)  # its pods exist (expected): neither is posted again
+    assert kube.calls == [("service", "demo")]
+
+
 @pytest.mark.parametrize(
     "refusal",
     [
