@@ -726,6 +726,15 @@ def _suspend(
             events.append(Event("Normal", reason, f"{queued.message}; {verb} until admitted"))
     conditions = set_condition(conditions, ConditionType.RUNNING, False, reason, "", now)
     conditions = set_condition(conditions, ConditionType.RESTARTING, False, reason, "", now)
+    if any(c.type == ConditionType.GANG_SCHEDULED for c in conditions):
+        conditions = set_condition(
+            conditions,
+            ConditionType.GANG_SCHEDULED,
+            False,
+            reason,
+            "no gang to place until the job runs again",
+            now,
+        )
     status = status.model_copy(
         update={
             "phase": phase,

@@ -160,6 +160,23 @@ def test_a_placed_gang_stays_placed_while_extra_pods_wait_one_by_one() -> None:
     assert decision.status.phase is api.JobPhase.RUNNING
 
 
+def test_a_suspended_gang_is_no_longer_said_to_be_placed() -> None:
+    placed = run(make_job(), pod(0), pod(1), pod(2))
+    assert gang_condition(placed) == ("True", "Placed", "gang of 2 placed: 3 of 3 pods bound")
+    suspended = make_job(suspend=True).model_copy(update={"status": placed.status})
+    decision = run(suspended, pod(0), pod(1), pod(2))
+    message = "no gang to place until the job runs again"
+    assert gang_condition(decision) == ("False", "Suspended", message)
+    assert decision.status.phase is api.JobPhase.SUSPENDED
+    # Resumed: placed again once its pods are bound.
+    resumed = make_job().model_copy(update={"status": decision.status})
+    again = run(resumed, pod(0), pod(1), pod(2))
+    assert gang_condition(again) == ("True", "Placed", "gang of 2 placed: 3 of 3 pods bound")
+    # A job that never asked for a gang gets no such condition when suspended either.
+    plain = api.parse_job(manifest(suspend=True))
+    assert gang_condition(run(plain)) is None
+
+
 def test_without_the_api_the_job_runs_without_a_gang_and_says_why() -> None:
     decision = run(make_job(), served=False)
     assert groups(decision) == {0: None, 1: None, 2: None}
