@@ -201,6 +201,8 @@ class Controller:
         """Whether the cluster serves PodGroups, and Kueue's Workloads (discovery)."""
         self._flavors: _Kept[JSON | None] = _Kept(FLAVOR_SECONDS)
         self._priorities: dict[Key, queue.Priority] = {}
+        self._labelled: dict[Key, bool] = {}
+        """Whether the job named a LocalQueue in its last pass (see :meth:`_unqueued`)."""
         self._expected: dict[Key, Expectations] = {}
         self._ignored: dict[Key, list[str]] = {}
 
@@ -253,6 +255,7 @@ class Controller:
             self._store_keys.discard(key)
             self._pod_groups.pop(key, None)
             self._priorities.pop(key, None)
+            self._labelled.pop(key, None)
             self._expected.pop(key, None)
             self._ignored.pop(key, None)
             self.metrics.set_phases(self._phases)
@@ -481,7 +484,9 @@ class Controller:
         """What Kueue admits and what to write to the job's Workloads (a Kueue job; else None)."""
         name = queue.queue_name(job)
         if name is None:
+            await self._unqueued(key, job)
             return None
+        self._labelled[key] = True
         if not await self._serves_workloads():
             message = (
                 f"the job names LocalQueue {name} ({queue.QUEUE_LABEL}), but this cluster "
@@ -533,6 +538,32 @@ class Controller:
             return queue.Plan(dataclasses.replace(admission, message=message), others)
         refused = queue.Admission(0, None, False, "PriorityClassNotFound", priority)
         return queue.Plan(refused, others)
+
+    async def _unqueued(self, key: Key, job: api.DDPJob) -> None:
+        """A job without the queue label whose own Workloads are still open: its label was
+        removed (while this operator watched, or before it started). They are finished and
+        released, so an admitted one gives its quota back and a waiting one is never admitted
+        for a job that no longer asks; the job runs on without Kueue. Looked for once, when the
+        label goes: in this operator's passes, or (after a restart) because the job's status
+        still has the ``Admitted`` condition, which only a Kueue job gets. Never for other jobs:
+        an operator not granted Workloads would get a 403 for each."""
+        was_queued = self._labelled.get(key)
+        if was_queued is None:
+            was_queued = any(c.type == api.ConditionType.ADMITTED for c in job.status.conditions)
+        if not was_queued or job.status.phase.is_finished:
+            self._labelled[key] = False
+            return
+        finished = await self.release_workloads(
+            key[0], job.metadata.uid or "", *queue.LABEL_REMOVED
+        )
+        self._labelled[key] = False
+        if finished:
+            logger.warning(
+                "the job no longer names a LocalQueue (%s): finished %d of its Workloads; it "
+                "runs without Kueue",
+                queue.QUEUE_LABEL,
+                finished,
+            )
 
     async def _serves_workloads(self) -> bool:
         return await self._served.get("workloads", self.kube.workloads_served)
@@ -725,9 +756,16 @@ class Controller:
             return False
         return True
 
-    async def release_workloads(self, namespace: str, job_uid: str) -> int:
-        """A deleted job's Workloads: Finished (``OwnerNotFound``) and without Kueue's
-        finalizer, which nobody else removes while they keep their owner reference."""
+    async def release_workloads(
+        self,
+        namespace: str,
+        job_uid: str,
+        reason: str = "OwnerNotFound",
+        message: str = queue.OWNER_GONE,
+    ) -> int:
+        """A deleted job's Workloads (or, with another reason, one that left Kueue): Finished
+        and without Kueue's finalizer, which nobody else removes while they keep their owner
+        reference."""
         if not job_uid or not await self._serves_workloads():
             return 0
         released = 0
@@ -743,9 +781,7 @@ class Controller:
                 continue
             wl = queue.Slice.of(raw)
             if not wl.finished and not wl.deleting:
-                change = queue.finish(
-                    wl, "OwnerNotFound", "The workload's owner no longer exists", now
-                )
+                change = queue.finish(wl, reason, message, now)
                 await self.kube.patch_workload(namespace, wl.name, change.patch, status=True)
                 wl = queue.Slice.of(await self.kube.get_workload(namespace, wl.name) or raw)
             if queue.FINALIZER in wl.finalizers:

@@ -56,6 +56,10 @@ SUSPENDED_ANNOTATION = "ddpjob.io/suspended"
 TEMPLATE_ANNOTATION = "ddpjob.io/template-hash"
 """A hash of the pod template the Workload's podSet was made from."""
 OWNER_GONE = "The workload's owner no longer exists"
+LABEL_REMOVED = (
+    "QueueLabelRemoved",
+    f"The job no longer has the {QUEUE_LABEL} label: it runs without Kueue",
+)
 PODSET = "main"
 
 REQUEUED_AFTER = frozenset({"Preempted", "NodeFailures"})

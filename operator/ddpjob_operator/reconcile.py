@@ -755,9 +755,10 @@ def _suspend(
 def _admitted_condition(
     conditions: Sequence[Condition], admission: queue.Admission | None, now: dt.datetime
 ) -> list[Condition]:
-    """``Admitted``, for a Kueue job (others never get it)."""
+    """``Admitted``, for a Kueue job (others never get it: a job whose queue label was
+    removed loses it)."""
     if admission is None:
-        return list(conditions)
+        return [c for c in conditions if c.type != ConditionType.ADMITTED]
     return set_condition(
         conditions,
         ConditionType.ADMITTED,

@@ -10,6 +10,8 @@ templates only tolerate the taint), so a pod that runs shows that the flavor was
   succeeds its Workload is Finished and released, and the second is admitted and runs.
   Suspending it gives the quota back (``spec.active``), resuming takes it again; deleting it
   finishes and releases its Workload.
+* A running job whose queue label is removed leaves Kueue: its Workload is Finished
+  (``QueueLabelRemoved``) and released, a waiting job gets the quota, and it trains on.
 * A higher-priority job preempts a training one: its pods go, uncharged; it waits Queued with
   ``Admitted=False/Preempted``; when the preemptor ends it is admitted again and resumes from its
   checkpoint (real training), every step done.
@@ -222,6 +224,38 @@ def test_two_jobs_queue_for_one_quota_and_run_one_after_the_other(
     assert real.delete_job("second") == 200
     wait_for(lambda: workloads(real, kueue, second) == [], "the deleted job's Workload gone", 60)
     assert kube.get(kueue.path("workloads", name, real.namespace)) is None
+
+
+def test_a_job_whose_queue_label_is_removed_leaves_kueue_and_gives_its_quota_back(
+    real: RealEnv, kueue: Kueue, kueue_queues: MakeQueues
+) -> None:
+    kube = real.k
+    pool(kube, 2)  # room for 4 pods: only the quota (2 CPU) holds the second job back
+    queues = queues_for(kube, kueue_queues, cpu=2)
+    real.start_operator()
+    two: JSON = {"replicas": 2, "minReplicas": 2, "maxReplicas": 2, "template": template()}
+    first = queued_job(real, "first", queues, **two)
+    wait_for(lambda: len(bound(real, "first")) == 2, "the first job's 2 pods bound", timeout=60)
+    pods = {p["metadata"]["uid"] for p in live(real, "first")}
+    second = queued_job(real, "second", queues, **two)
+    wait_for(lambda: real.status("second").get("phase") == "Queued", "second Queued", 30)
+
+    real.patch_job("first", {"metadata": {"labels": {QUEUE_LABEL: None}}})
+
+    def released() -> JSON | None:
+        [found] = workloads(real, kueue, first)
+        return None if found["metadata"].get("finalizers") else found
+
+    finished = condition(wait_for(released, "the first Workload released", timeout=30), "Finished")
+    assert (finished["status"], finished["reason"]) == ("True", "QueueLabelRemoved"), finished
+    wait_for(lambda: len(bound(real, "second")) == 2, "the second job's pods bound", timeout=60)
+    # The first runs on, without Kueue: the same pods, nothing charged, no Admitted condition.
+    assert {p["metadata"]["uid"] for p in live(real, "first")} == pods
+    status = real.status("first")
+    assert (status.get("restarts", 0), status.get("backoffCount", 0)) == (0, 0), status
+    assert "Admitted" not in {c["type"] for c in status.get("conditions") or []}
+    [wl] = workloads(real, kueue, second)
+    assert is_true(wl, "Admitted")
 
 
 @pytest.fixture

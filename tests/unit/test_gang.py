@@ -226,6 +226,9 @@ class GangKube:
     async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
         return {**self.body, "status": status}
 
+    async def workloads_served(self) -> bool:  # no Kueue here
+        return False
+
     async def create_service(self, ns: str, service: Any) -> None:
         self.calls.append(("service", None))
 

@@ -90,6 +90,9 @@ def test_refused_actions_emit_a_bounded_number_of_events() -> None:
         async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
             return {**body, "status": status}
 
+        async def workloads_served(self) -> bool:  # no Kueue here
+            return False
+
         async def create_service(self, ns: str, service: Any) -> None:
             return None
 
@@ -135,6 +138,9 @@ class RecordingKube:
 
     async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
         return {**self.body, "status": status}
+
+    async def workloads_served(self) -> bool:  # no Kueue here
+        return False
 
     async def create_service(self, ns: str, service: Any) -> None:
         self.calls.append(("service", service["metadata"]["name"]))
@@ -322,3 +328,84 @@ def test_the_delete_handler_waits_for_the_pass_under_way() -> None:
         return order
 
     assert asyncio.run(scenario()) == ["pods let through", "released after 2 pods"]
+
+
+# ---- a job that leaves Kueue ---------------------------------------------------------------------
+
+
+def test_a_job_without_a_queue_label_that_kueue_admitted_finishes_its_open_workloads_once() -> None:
+    """Looked for once for a job whose status says Kueue admitted it (the label went while no
+    operator ran), never for other jobs. (A label removed while the operator runs: test_kueue,
+    on the real Kueue.)"""
+
+    class WorkloadKube(RecordingKube):
+        def __init__(self, body: dict[str, Any]) -> None:
+            super().__init__(body)
+            self.open = True
+
+        async def workloads_served(self) -> bool:
+            return True
+
+        def workload(self) -> dict[str, Any]:
+            conditions = [] if self.open else [{"type": "Finished", "status": "True"}]
+            return {
+                "metadata": {
+                    "name": "ddpjob-demo-abcde",
+                    "uid": "wl-1",
+                    "finalizers": ["kueue.x-k8s.io/resource-in-use"] if self.open else [],
+                    "ownerReferences": [
+                        {"kind": "DDPJob", "name": "demo", "uid": "uid-demo", "controller": True}
+                    ],
+                },
+                "spec": {"podSets": [{"name": "main", "count": 2}]},
+                "status": {"conditions": conditions},
+            }
+
+        async def list_workloads(self, ns: str, uid: str) -> list[dict[str, Any]]:
+            self.calls.append(("list", uid))
+            return [self.workload()] if uid == "uid-demo" else []
+
+        async def patch_workload(self, ns: str, name: str, patch: Any, *, status: bool) -> None:
+            [finished] = patch["status"]["conditions"]
+            self.calls.append(("finish", finished["reason"]))
+
+        async def get_workload(self, ns: str, name: str) -> dict[str, Any]:
+            return self.workload()
+
+        async def release_workload(self, ns: str, name: str, uid: str, fin: Any) -> None:
+            self.calls.append(("release", name))
+            self.open = False
+
+    plain = manifest()
+    plain["metadata"]["resourceVersion"] = "1"
+    kube = WorkloadKube(plain)
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    one_pass(ctl, plain)  # never a Kueue job: not looked for (no 403 without the grant)
+    assert not [c for c in kube.calls if c[0] == "list"]
+    # A job whose status says Kueue admitted it, seen by a restarted operator without the label.
+    body = manifest()
+    body["metadata"].update(name="other", resourceVersion="1")
+    body["status"] = {
+        "phase": "Running",
+        "conditions": [
+            {
+                "type": "Admitted",
+                "status": "True",
+                "reason": "Admitted",
+                "message": "admitted by ClusterQueue cq (flavors: f) for 2 pods",
+                "lastTransitionTime": "2026-11-26T12:00:00Z",
+            }
+        ],
+    }
+    kube.body = body
+    kube.calls.clear()
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    one_pass(ctl, body)  # an open Workload of its own is finished
+    assert [c for c in kube.calls if c[0] in ("list", "finish", "release")] == [
+        ("list", "uid-demo"),
+        ("finish", "QueueLabelRemoved"),
+        ("release", "ddpjob-demo-abcde"),
+    ]
+    kube.calls.clear()
+    one_pass(ctl, body)  # not looked for again
+    assert not [c for c in kube.calls if c[0] == "list"]

@@ -1130,6 +1130,17 @@ def test_a_job_without_a_queue_gets_no_admitted_condition() -> None:
     assert len([a for a in decision.actions if isinstance(a, CreatePod)]) == 2
 
 
+def test_a_job_whose_queue_label_was_removed_loses_its_admitted_condition() -> None:
+    job = make_job()
+    admitted_run = run(job, Admission(2, Placement(), True, "Admitted", "m"), pod(0), pod(1))
+    assert "Admitted" in {c.type for c in admitted_run.status.conditions}
+    left = job.model_copy(update={"status": admitted_run.status})
+    decision = run(left, None, pod(0), pod(1))
+    assert "Admitted" not in {c.type for c in decision.status.conditions}
+    assert decision.status.phase is api.JobPhase.RUNNING
+    assert not [a for a in decision.actions if isinstance(a, DeletePod)]
+
+
 def test_plan_and_reconcile_from_creation_to_running() -> None:
     """The Workload is created, waits, is admitted: only then are pods made, on its flavor."""
     job = make_job()
