@@ -347,9 +347,12 @@ class Controller:
             self._account_metrics(job, decision)
         self._phases[key] = decision.status.phase
         self.metrics.set_phases(self._phases)
-        # The job has no pod and gets its first ones (it starts, resumes, or is admitted again):
+        # The job has no pod (but ones going away) and gets its first ones (it starts, resumes,
+        # or is admitted again):
         # its NetworkPolicy and Secret are posted again, so one deleted meanwhile is made anew.
-        afresh = not everyone and any(isinstance(a, CreatePod) for a in decision.actions)
+        afresh = all(p.deleting for p in everyone) and any(
+            isinstance(a, CreatePod) for a in decision.actions
+        )
         try:
             await self._execute(
                 key,
@@ -550,12 +553,17 @@ class Controller:
         was_queued = self._labelled.get(key)
         if was_queued is None:
             was_queued = any(c.type == api.ConditionType.ADMITTED for c in job.status.conditions)
-        if not was_queued or job.status.phase.is_finished:
+        if not was_queued:
             self._labelled[key] = False
             return
-        finished = await self.release_workloads(
-            key[0], job.metadata.uid or "", *queue.LABEL_REMOVED
-        )
+        try:
+            finished = await self.release_workloads(
+                key[0], job.metadata.uid or "", *queue.LABEL_REMOVED
+            )
+        except ApiError as exc:  # the job itself runs on; tried again on the next pass
+            self._labelled[key] = True
+            logger.warning("cannot finish the Workloads of a job that left Kueue: %s", exc)
+            return
         self._labelled[key] = False
         if finished:
             logger.warning(
@@ -744,9 +752,10 @@ class Controller:
     async def pass_over(self, key: Key, timeout: float = STUCK_PASS_SECONDS) -> bool:
         """Wait until the job's running pass, if any, has ended; False after ``timeout``.
 
-        For a deleted job: kopf has told its loop to stop before the delete handler runs, but a
-        pass already under way may still create a pod or a Workload after the handler listed
-        them to release. A pod is released by its own event; a Workload is not watched."""
+        For a deleted job: kopf has told its loop to stop before the delete handler runs (and
+        gives it ``cancellation_backoff`` to end its pass before cancelling it), but a pass
+        already under way may still create a pod or a Workload after the handler listed them
+        to release. A pod is released by its own event; a Workload is not watched."""
         ended = self._passes.get(key)
         if ended is None:
             return True
@@ -783,7 +792,16 @@ class Controller:
             if not wl.finished and not wl.deleting:
                 change = queue.finish(wl, reason, message, now)
                 await self.kube.patch_workload(namespace, wl.name, change.patch, status=True)
-                wl = queue.Slice.of(await self.kube.get_workload(namespace, wl.name) or raw)
+                found = await self.kube.get_workload(namespace, wl.name)
+                if found is None:
+                    continue  # gone meanwhile
+                wl = queue.Slice.of(found)
+                if not wl.finished and not wl.deleting:
+                    # The patch was stale (Kueue wrote in between): released unfinished, it
+                    # would keep its quota with nobody left to finish it. Tried again.
+                    raise ApiError(
+                        409, "Conflict", f"Workload {namespace}/{wl.name} changed while finished"
+                    )
             if queue.FINALIZER in wl.finalizers:
                 await self.kube.release_workload(namespace, wl.name, wl.uid, wl.finalizers)
                 released += 1

@@ -162,7 +162,10 @@ def job_changed(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     memo.controller.wake(_key(namespace, name))
 
 
-@kopf.daemon(*JOBS, cancellation_timeout=30)
+# On deletion (and operator exit) the loop is told to stop and given 10 s to end the pass it is
+# in before it is cancelled: a cancelled pass could still have its last POST land after the
+# delete handler listed what to release (see Controller.pass_over).
+@kopf.daemon(*JOBS, cancellation_backoff=10, cancellation_timeout=30)
 async def job_loop(
     body: kopf.Body,
     namespace: str | None,

@@ -752,6 +752,11 @@ def _suspend(
     return Decision(tuple(actions + removals), status, tuple(events), requeue)
 
 
+def _without_admitted(status: DDPJobStatus) -> DDPJobStatus:
+    kept = [c for c in status.conditions if c.type != ConditionType.ADMITTED]
+    return status.model_copy(update={"conditions": kept})
+
+
 def _admitted_condition(
     conditions: Sequence[Condition], admission: queue.Admission | None, now: dt.datetime
 ) -> list[Condition]:
@@ -1160,7 +1165,9 @@ def reconcile(
     events += _failure_events(job, new_failures, status)
 
     if spec.suspend:
-        suspended = _suspend(job, pods, buckets, status, now, events, room)
+        # A job that is not (or no longer) a Kueue job has no Admitted condition.
+        unqueued = status if observed.queue is not None else _without_admitted(status)
+        suspended = _suspend(job, pods, buckets, unqueued, now, events, room)
         return _also(_release_foreign(foreign), suspended)
     status = _resumed(status, observed.queue, now, events)
     if observed.queue is not None and observed.queue.count == 0:

@@ -342,6 +342,8 @@ def test_a_job_without_a_queue_label_that_kueue_admitted_finishes_its_open_workl
         def __init__(self, body: dict[str, Any]) -> None:
             super().__init__(body)
             self.open = True
+            self.held = True  # Kueue's finalizer
+            self.stale = False
 
         async def workloads_served(self) -> bool:
             return True
@@ -352,7 +354,7 @@ def test_a_job_without_a_queue_label_that_kueue_admitted_finishes_its_open_workl
                 "metadata": {
                     "name": "ddpjob-demo-abcde",
                     "uid": "wl-1",
-                    "finalizers": ["kueue.x-k8s.io/resource-in-use"] if self.open else [],
+                    "finalizers": ["kueue.x-k8s.io/resource-in-use"] if self.held else [],
                     "ownerReferences": [
                         {"kind": "DDPJob", "name": "demo", "uid": "uid-demo", "controller": True}
                     ],
@@ -368,13 +370,14 @@ def test_a_job_without_a_queue_label_that_kueue_admitted_finishes_its_open_workl
         async def patch_workload(self, ns: str, name: str, patch: Any, *, status: bool) -> None:
             [finished] = patch["status"]["conditions"]
             self.calls.append(("finish", finished["reason"]))
+            self.open = self.stale  # a stale patch (409) is ignored: the Workload stays open
 
         async def get_workload(self, ns: str, name: str) -> dict[str, Any]:
             return self.workload()
 
         async def release_workload(self, ns: str, name: str, uid: str, fin: Any) -> None:
             self.calls.append(("release", name))
-            self.open = False
+            self.held = False
 
     plain = manifest()
     plain["metadata"]["resourceVersion"] = "1"
@@ -399,8 +402,20 @@ def test_a_job_without_a_queue_label_that_kueue_admitted_finishes_its_open_workl
     }
     kube.body = body
     kube.calls.clear()
+    kube.stale = True  # Kueue wrote in between: the finish is lost
     ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
-    one_pass(ctl, body)  # an open Workload of its own is finished
+    one_pass(ctl, body)  # not released unfinished (it would keep its quota); the job runs on
+    assert [c for c in kube.calls if c[0] in ("list", "finish", "release")] == [
+        ("list", "uid-demo"),
+        ("finish", "QueueLabelRemoved"),
+    ]
+    assert [c for c in kube.calls if c[0] == "pod"] == [
+        ("pod", "other-worker-0"),
+        ("pod", "other-worker-1"),
+    ]
+    kube.calls.clear()
+    kube.stale = False
+    one_pass(ctl, body)  # tried again: an open Workload of its own is finished
     assert [c for c in kube.calls if c[0] in ("list", "finish", "release")] == [
         ("list", "uid-demo"),
         ("finish", "QueueLabelRemoved"),

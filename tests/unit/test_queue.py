@@ -1139,6 +1139,14 @@ def test_a_job_whose_queue_label_was_removed_loses_its_admitted_condition() -> N
     assert "Admitted" not in {c.type for c in decision.status.conditions}
     assert decision.status.phase is api.JobPhase.RUNNING
     assert not [a for a in decision.actions if isinstance(a, DeletePod)]
+    # Suspended after it left Kueue: no Admitted condition either.
+    suspended = make_job(admitted_run.status, suspend=True)
+    decision = run(suspended, None, pod(0), pod(1))
+    assert decision.status.phase is api.JobPhase.SUSPENDED
+    assert "Admitted" not in {c.type for c in decision.status.conditions}
+    # A suspended Kueue job keeps it.
+    kept = run(suspended, queued_admission(), pod(0), pod(1))
+    assert "Admitted" in {c.type for c in kept.status.conditions}
 
 
 def test_plan_and_reconcile_from_creation_to_running() -> None:
