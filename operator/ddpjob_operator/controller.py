@@ -172,6 +172,14 @@ class Emit(Protocol):
     def __call__(self, kind: str, reason: str, message: str) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """A job's pass under way: when it started, and an event set when it ends."""
+
+    started: float
+    ended: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
 @dataclasses.dataclass
 class _Written:
     """Our last status write for a job: the resourceVersion it replaced, and the result."""
@@ -190,9 +198,7 @@ class Controller:
         self._wakeups: dict[Key, asyncio.Event] = {}
         self._written: dict[Key, _Written] = {}
         self._phases: dict[Key, api.JobPhase] = {}
-        self._in_flight: dict[Key, float] = {}
-        self._passes: dict[Key, asyncio.Event] = {}
-        """Set when the job's running pass ends (see :meth:`pass_over`)."""
+        self._in_flight: dict[Key, _Pass] = {}
         self._policies: set[Key] = set()
         self._store_keys: set[Key] = set()
         self._pod_groups: dict[Key, tuple[int, float]] = {}
@@ -218,8 +224,8 @@ class Controller:
         now = time.monotonic() if now is None else now
         return [
             f"{ns}/{name}"
-            for (ns, name), started in self._in_flight.items()
-            if now - started > STUCK_PASS_SECONDS
+            for (ns, name), running in self._in_flight.items()
+            if now - running.started > STUCK_PASS_SECONDS
         ]
 
     async def run_job(
@@ -270,8 +276,7 @@ class Controller:
         emit: Emit,
     ) -> float | None:
         """One pass, with a fresh read and a new decision after each stale status write."""
-        self._in_flight[key] = time.monotonic()
-        ended = self._passes[key] = asyncio.Event()
+        running = self._in_flight[key] = _Pass(time.monotonic())
         started = time.perf_counter()
         try:
             raw = self._freshest(key, body)
@@ -286,10 +291,9 @@ class Controller:
                 409, "Conflict", f"status still stale after {MAX_CONFLICT_RETRIES} reads"
             )
         finally:
-            self._in_flight.pop(key, None)
-            if self._passes.get(key) is ended:
-                del self._passes[key]
-            ended.set()
+            if self._in_flight.get(key) is running:
+                del self._in_flight[key]
+            running.ended.set()
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
 
     def _freshest(self, key: Key, body: Mapping[str, Any]) -> JSON:
@@ -348,8 +352,8 @@ class Controller:
         self._phases[key] = decision.status.phase
         self.metrics.set_phases(self._phases)
         # The job has no pod (but ones going away) and gets its first ones (it starts, resumes,
-        # or is admitted again):
-        # its NetworkPolicy and Secret are posted again, so one deleted meanwhile is made anew.
+        # or is admitted again): its NetworkPolicy and Secret are posted again, so one deleted
+        # meanwhile is made anew.
         afresh = all(p.deleting for p in everyone) and any(
             isinstance(a, CreatePod) for a in decision.actions
         )
@@ -756,11 +760,11 @@ class Controller:
         gives it ``cancellation_backoff`` to end its pass before cancelling it), but a pass
         already under way may still create a pod or a Workload after the handler listed them
         to release. A pod is released by its own event; a Workload is not watched."""
-        ended = self._passes.get(key)
-        if ended is None:
+        running = self._in_flight.get(key)
+        if running is None:
             return True
         try:
-            await asyncio.wait_for(ended.wait(), timeout)
+            await asyncio.wait_for(running.ended.wait(), timeout)
         except TimeoutError:
             return False
         return True

@@ -18,6 +18,7 @@ from ddpjob_operator.controller import (
     ActionsFailedError,
     Controller,
     OperatorConfig,
+    _Pass,
     pod_record,
 )
 from ddpjob_operator.kube import ApiError, Credentials, KubeApi, OwnershipError
@@ -34,8 +35,8 @@ def controller() -> Controller:
 def test_liveness_names_a_pass_that_runs_too_long() -> None:
     ctl = controller()
     assert ctl.stuck_passes(now=1000.0) == []
-    ctl._in_flight[("ml", "demo")] = 1000.0
-    ctl._in_flight[("ml", "fresh")] = 1000.0 + STUCK_PASS_SECONDS
+    ctl._in_flight[("ml", "demo")] = _Pass(1000.0)
+    ctl._in_flight[("ml", "fresh")] = _Pass(1000.0 + STUCK_PASS_SECONDS)
     assert ctl.stuck_passes(now=1000.0 + STUCK_PASS_SECONDS + 1) == ["ml/demo"]
 
 
