@@ -101,6 +101,17 @@ def workloads(env: RealEnv, kueue: Kueue, job: JSON) -> list[JSON]:
     return sorted(items, key=lambda w: (w["metadata"]["creationTimestamp"], w["metadata"]["name"]))
 
 
+def released(env: RealEnv, kueue: Kueue, job: JSON) -> JSON:
+    """The job's one Workload, once Kueue's finalizer is off it."""
+
+    def found() -> JSON | None:
+        [wl] = workloads(env, kueue, job)
+        return None if wl["metadata"].get("finalizers") else wl
+
+    name = job["metadata"]["name"]
+    return dict(wait_for(found, f"the {name} job's Workload released", timeout=30))
+
+
 def condition(obj: JSON | None, type_: str) -> JSON:
     found = [
         c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == type_
@@ -189,11 +200,7 @@ def test_two_jobs_queue_for_one_quota_and_run_one_after_the_other(
         real.finish_pod(pod["metadata"]["name"], exit_code=0, reason="Completed")
     wait_for(lambda: real.status("first").get("phase") == "Succeeded", "first Succeeded", 60)
 
-    def released() -> JSON | None:
-        [found] = workloads(real, kueue, first)
-        return None if found["metadata"].get("finalizers") else found
-
-    finished = condition(wait_for(released, "the first Workload released", timeout=30), "Finished")
+    finished = condition(released(real, kueue, first), "Finished")
     assert (finished["status"], finished["reason"]) == ("True", "Succeeded"), finished
     wait_for(lambda: len(bound(real, "second")) == 2, "the second job's pods bound", timeout=60)
     real.run_pods("second")
@@ -242,11 +249,7 @@ def test_a_job_whose_queue_label_is_removed_leaves_kueue_and_gives_its_quota_bac
 
     real.patch_job("first", {"metadata": {"labels": {QUEUE_LABEL: None}}})
 
-    def released() -> JSON | None:
-        [found] = workloads(real, kueue, first)
-        return None if found["metadata"].get("finalizers") else found
-
-    finished = condition(wait_for(released, "the first Workload released", timeout=30), "Finished")
+    finished = condition(released(real, kueue, first), "Finished")
     assert (finished["status"], finished["reason"]) == ("True", "QueueLabelRemoved"), finished
     wait_for(lambda: len(bound(real, "second")) == 2, "the second job's pods bound", timeout=60)
     # The first runs on, without Kueue: the same pods, nothing charged, no Admitted condition.
