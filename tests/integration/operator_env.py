@@ -549,17 +549,26 @@ class RealEnv(OperatorEnv):
         return unique
 
     def pod_creations(self, namespace: str | None = None) -> int:
+        return sum(codes.count(201) for codes in self.pod_create_answers(namespace).values())
+
+    def pod_create_answers(self, namespace: str | None = None) -> dict[str, list[int]]:
+        """The status codes the API server's audit log gives the operator's pod creates in the
+        namespace, by pod name, in order. A create whose client died mid-request is logged
+        504 ("context canceled") even when the server went on to store the pod."""
         user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
-        return sum(
-            1
-            for entry in self.k.cluster.audit(since=self.k.audit_offset)
-            if entry.get("verb") == "create"
-            and (entry.get("objectRef") or {}).get("resource") == "pods"
-            and not (entry.get("objectRef") or {}).get("subresource")
-            and (entry.get("objectRef") or {}).get("namespace") == self.ns(namespace)
-            and (entry.get("responseStatus") or {}).get("code") == 201
-            and (entry.get("user") or {}).get("username") == user
-        )
+        answers: dict[str, list[int]] = {}
+        for entry in self.k.cluster.audit(since=self.k.audit_offset):
+            ref = entry.get("objectRef") or {}
+            if (
+                entry.get("verb") == "create"
+                and ref.get("resource") == "pods"
+                and not ref.get("subresource")
+                and ref.get("namespace") == self.ns(namespace)
+                and (entry.get("user") or {}).get("username") == user
+            ):
+                code = int((entry.get("responseStatus") or {}).get("code", 0))
+                answers.setdefault(str(ref.get("name", "")), []).append(code)
+        return answers
 
 
 def real_env(kube: KubeTest, workdir: Path, *, fake_trainer: bool = True) -> RealEnv:

@@ -663,8 +663,17 @@ def test_as_pid_1_the_agent_reaps_the_orphans_its_workers_leave(tmp_path: Path) 
         wait_until("the worker leaving orphans", lambda: "orphans left" in log.read_text(), 60)
         (pid1,) = psutil.Process(proc.pid).children()  # unshare forks the namespace's PID 1
         time.sleep(2.0)  # the grandchildren exit 0.3 s in; the agent looks once a second
-        zombies = [p for p in pid1.children() if p.status() == psutil.STATUS_ZOMBIE]
-        assert zombies == [], [(p.pid, p.name()) for p in zombies]
+
+        def zombies() -> list[int]:
+            found = []
+            for child in pid1.children():
+                with contextlib.suppress(psutil.NoSuchProcess):  # reaped as we look
+                    if child.status() == psutil.STATUS_ZOMBIE:
+                        found.append(child.pid)
+            return found
+
+        # A loaded machine may delay the agent's next look: its zombies must go, not at once.
+        wait_until("the orphans reaped", lambda: not zombies(), 15)
         assert proc.wait(timeout=60) == 0, log.read_text()
     finally:
         if proc.poll() is None:

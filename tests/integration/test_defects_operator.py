@@ -213,7 +213,8 @@ def test_an_unknown_field_is_ignored_and_an_invalid_spec_is_not_terminal(world: 
         invalid["status"] == "True"
         and "spec: minReplicas (5) must be <= replicas" in (invalid["message"])
     )
-    assert world.events("beta", "InvalidSpec")
+    # kopf posts events from its own queue, after the status patch.
+    wait_for(lambda: world.events("beta", "InvalidSpec"), "the InvalidSpec event")
     time.sleep(1.0)
     assert world.status("beta")["phase"] == "Running"
     assert world.condition("beta", "Failed") is None

@@ -161,7 +161,7 @@ def test_a_failed_pod_is_replaced_and_counted_once(env: OperatorEnv) -> None:
         "ExitCode(1)",
         True,
     )
-    assert env.events(reason="PodFailed")
+    wait_for(lambda: env.events(reason="PodFailed"), "the PodFailed event")
     time.sleep(1.0)
     assert counts(env, "beta") == (1, 1)  # later passes never count it again
     assert len(env.pods("beta")) == 2
@@ -210,7 +210,8 @@ def test_scale_up_then_down_through_the_scale_subresource(env: OperatorEnv) -> N
     wait_for(lambda: names(env.pods("eps")) == ["eps-worker-0"], "the others gone")
     assert counts(env, "eps") == (0, 0)
     assert env.status("eps")["failures"] == []
-    assert env.events(reason="ScalingDown")
+    # Events come from kopf's queue after the pass's actions.
+    wait_for(lambda: env.events(reason="ScalingDown"), "the ScalingDown event")
     over = env.api(
         "GET", f"/apis/ddpjob.io/v1alpha1/namespaces/{env.namespace}/ddpjobs/eps/scale"
     ).json()
@@ -291,6 +292,7 @@ def test_sigkill_mid_reconcile_then_restart_makes_no_duplicates_and_exact_counts
 ) -> None:
     env = emulated
     running_job(env, "kappa", replicas=3)
+    old = [env.pod(f"kappa-worker-{index}") for index in (1, 2)]
     # Hold every pod creation for 3 s, so the operator is mid-pass when it dies.
     env.control.add_fault("POST", r"/pods$", 0, count=100, delay=3)  # 0: delay only
     env.finish_pod("kappa-worker-2", exit_code=1)
@@ -301,16 +303,26 @@ def test_sigkill_mid_reconcile_then_restart_makes_no_duplicates_and_exact_counts
     env.finish_pod("kappa-worker-1", exit_code=137, reason="OOMKilled")
     env.start_operator()
     wait_for(lambda: counts(env, "kappa") == (2, 2), "second failure counted once", timeout=30)
+    # The killed operator's held create of worker-2 may still land after the kill: either way
+    # each failed pod gets one replacement (a new uid), and the failed ones are never live.
+    for pod in old:
+        assert pod is not None
+        env.replacement(pod, f"a new {pod['metadata']['name']}", timeout=30)
     wait_for(lambda: len(live(env, "kappa")) == 3, "3 live pods", timeout=30)
     env.run_pods("kappa")
     wait_for(lambda: env.status("kappa").get("phase") == "Running", "Running again")
-    time.sleep(1.5)
+
+    def creates() -> int:
+        return int(env.control.count_requests("create", "pods", status=201))
+
+    # The first three, then one replacement per failed pod.
+    wait_for(lambda: creates() == 3 + 2, "5 pod creations")
+    time.sleep(1.5)  # a duplicate creation or a recount would show by now
     assert counts(env, "kappa") == (2, 2)
     assert names(env.pods("kappa")) == ["kappa-worker-0", "kappa-worker-1", "kappa-worker-2"]
     reasons = sorted(f["reason"] for f in env.status("kappa")["failures"])
     assert reasons == ["ExitCode(1)", "OOMKilled"]
-    creates = env.control.count_requests("create", "pods", status=201)
-    assert creates == 3 + 2  # the first three, then one replacement per failed pod
+    assert creates() == 3 + 2
     # The store-key Secret was made once; the restarted operator posted it again and took the
     # 409 for the job's own Secret as success (its replacements read the same key).
     assert env.control.count_requests("create", "secrets", status=201) == 1
@@ -328,10 +340,24 @@ def test_injected_500s_409s_and_watch_drops_converge(emulated: EmulatorEnv) -> N
     wait_for(lambda: env.status("lam").get("phase") == "Running", "Running despite 409s and drops")
     env.control.add_fault("DELETE", r"/pods/lam-worker-2$", 500, count=2)
     env.control.drop_watches(abort=True)
+    old = env.pod("lam-worker-2")
+    assert old is not None
     env.finish_pod("lam-worker-2", exit_code=1)
     wait_for(lambda: counts(env, "lam") == (1, 1), "failure counted")
+
+    def deleting() -> bool:  # gone, replaced already, or awaiting the kubelet
+        pod = env.pod("lam-worker-2")
+        return (
+            pod is None
+            or pod["metadata"]["uid"] != old["metadata"]["uid"]
+            or bool(pod["metadata"].get("deletionTimestamp"))
+        )
+
+    wait_for(deleting, "the failed pod deleted despite two 500s")
     env.confirm_deletions("lam")
-    wait_for(lambda: len(live(env, "lam")) == 3, "replaced")
+    env.replacement(old, "a new lam-worker-2")
+    wait_for(lambda: len(live(env, "lam")) == 3, "3 live pods")
+    assert env.control.count_requests("delete", "pods", status=500) == 2  # both faults met
     assert counts(env, "lam") == (1, 1)
     assert 'ddpjob_api_errors_total{code="500"}' in env.metrics()
 
@@ -361,7 +387,7 @@ def test_an_invalid_spec_is_reported_on_that_job_only(emulated: EmulatorEnv) -> 
     message = condition["message"]
     assert "spec.nprocPerNode" in message and "spec.template.spec.containers" in message
     assert env.status("mu").get("phase") != "Failed"
-    assert env.events(reason="InvalidSpec")
+    wait_for(lambda: env.events(reason="InvalidSpec"), "the InvalidSpec event")
     assert env.pods("mu") == []
     env.finish_pod("nu-worker-1", exit_code=1)
     wait_for(lambda: counts(env, "nu") == (1, 1), "the other job still served")
@@ -452,16 +478,7 @@ def replace_one(env: OperatorEnv, name: str) -> None:
     assert before is not None, f"no pod {name}"
     creations = env.pod_creations()
     env.finish_pod(name, exit_code=1)
-
-    def replaced() -> bool:
-        pod = env.pod(name)
-        return (
-            pod is not None
-            and pod["metadata"]["uid"] != before["metadata"]["uid"]
-            and not pod["metadata"].get("deletionTimestamp")
-        )
-
-    wait_for(replaced, f"{name} replaced")
+    env.replacement(before, f"{name} replaced")
     wait_for(lambda: env.pod_creations() > creations, f"the creation of the new {name} recorded")
 
 
