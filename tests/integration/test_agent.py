@@ -104,10 +104,11 @@ def test_losing_a_non_master_node_shrinks_the_world_without_charging(
 
 def test_adding_a_node_grows_the_world(make_cluster: MakeCluster) -> None:
     cluster = make_cluster(min_nodes=2, max_nodes=3)
-    nodes = [cluster.start(i, train_args(60)) for i in range(2)]
+    # Steps enough for the newcomer's cold start (a torch import) on a loaded machine.
+    nodes = [cluster.start(i, train_args(150)) for i in range(2)]
     for node in nodes:
         wait_until(f"world 2 on node {node.index}", reached(node, 5, world=2), 90)
-    nodes.append(cluster.start(2, train_args(60)))
+    nodes.append(cluster.start(2, train_args(150)))
     for node in nodes:
         wait_until(f"world 3 on node {node.index}", reached(node, 0, world=3), 90)
     finish_ok(cluster, nodes, 120)
@@ -126,7 +127,7 @@ def _kill_and_restart_master(cluster: Cluster, nodes: list[Node], args: list[str
 
 def test_losing_the_master_costs_only_a_rejoin(make_cluster: MakeCluster) -> None:
     cluster = make_cluster(min_nodes=2, max_nodes=3)
-    args = train_args(60)
+    args = train_args(150)  # the restarted master's cold start must land before the end
     nodes = [cluster.start(i, args) for i in range(3)]
     pids = [node.pid for node in nodes[1:]]
     master = _kill_and_restart_master(cluster, nodes, args)
@@ -340,11 +341,11 @@ def test_members_dropped_from_their_round_rejoin_and_the_newcomer_trains_with_th
     # alone. torch's agents train on in a round the state no longer has, and never see anyone
     # waiting. Ours notice they are out of it, rejoin, and the newcomer trains with them.
     cluster = make_cluster(min_nodes=2, max_nodes=3)
-    nodes = [cluster.start(i, train_args(120, sleep=0.05)) for i in range(2)]
+    nodes = [cluster.start(i, train_args(300, sleep=0.05)) for i in range(2)]
     for node in nodes:
         wait_until(f"world 2 on node {node.index}", reached(node, 5, world=2), 120)
     drop_the_round(cluster)
-    newcomer = cluster.start(2, train_args(120, sleep=0.05))
+    newcomer = cluster.start(2, train_args(300, sleep=0.05))
     everyone = [*nodes, newcomer]
     for node in everyone:
         wait_until(f"world 3 on node {node.index}", reached(node, 0, world=3), 90)

@@ -156,21 +156,24 @@ def test_short_stalls_restart_nobody(make_cluster: MakeCluster) -> None:
     victims = [0, 1, 2, rng.randrange(3)]
     rng.shuffle(victims)
     cluster, nodes = start_three(make_cluster)
+    # From here on: a node that started late may have made the first round at world 2, and
+    # its join then restarted the others once; the stalls must add nothing to that.
+    begun = [(n.state().membership_restarts, len(n.resumes()), len(n.steps())) for n in nodes]
     for index in victims:
         assert all(node.running() for node in nodes), f"finished before the stalls {victims}"
         nodes[index].freeze()
         time.sleep(stall)
         nodes[index].thaw()
         time.sleep(3.0)
-    for node in nodes:
+    for node, (restarts, resumes, steps) in zip(nodes, begun, strict=True):
         state = node.state()
         assert state.restart_count == 0, (node.index, victims, state)
-        assert state.membership_restarts == 0, (node.index, victims, state)
-        assert len(node.resumes()) == 1, (node.index, victims, node.resumes())
-        assert {world for _, _, world in node.steps()} == {3}, (node.index, victims)
+        assert state.membership_restarts == restarts, (node.index, victims, state)
+        assert len(node.resumes()) == resumes, (node.index, victims, node.resumes())
+        assert {world for _, _, world in node.steps()[steps:]} == {3}, (node.index, victims)
         assert DROPPED not in node.text(), cluster.logs()
     finish_ok(cluster, nodes, 120)
-    for node in nodes:
-        assert len(node.resumes()) == 1, (node.index, victims, node.resumes())
-        assert node.state().membership_restarts == 0, (node.index, victims, node.state())
+    for node, (restarts, resumes, _) in zip(nodes, begun, strict=True):
+        assert len(node.resumes()) == resumes, (node.index, victims, node.resumes())
+        assert node.state().membership_restarts == restarts, (node.index, victims, node.state())
     every_step_once(cluster)

@@ -337,9 +337,15 @@ def test_namespace_users_manage_or_read_ddpjobs_through_the_built_in_roles(
 
     wait_for(aggregated, "the chart's rules in the built-in admin, edit and view roles", 30)
     namespace = real.namespace
-    assert granted(kube, users["admin"], namespace) == MANAGE
-    assert granted(kube, users["edit"], namespace) == MANAGE
-    assert granted(kube, users["view"], namespace) == READ
+    # The authorizer reads roles and bindings from its informers: it may lag the writes.
+    expected = {"admin": MANAGE, "edit": MANAGE, "view": READ}
+    wait_for(
+        lambda: all(
+            granted(kube, users[role], namespace) == want for role, want in expected.items()
+        ),
+        "the authorizer granting the admin, edit and view users what the roles say",
+        30,
+    )
     assert granted(kube, users["edit"], "default") == set()  # bound in this namespace only
 
     # What the server grants, done: kubectl as the edit user creates, patches and scales.

@@ -336,7 +336,9 @@ class ControlPlane:
                 data = log.read()
         except OSError:
             return []
-        return [json.loads(line) for line in data.splitlines() if line.strip()]
+        # The API server may be writing the last line: only whole lines are read.
+        whole = data[: data.rfind(b"\n") + 1]
+        return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
     # ---- lifecycle ------------------------------------------------------------------------
 
