@@ -312,7 +312,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._state.update(phase=Phase.RUNNING)
         last_write = time.monotonic()
         while True:
-            time.sleep(spec.monitor_interval)
+            _pause(spec.monitor_interval)
             result: RunResult = self._monitor_workers(group)
             noticed_at = time.time()
             if self._remaining_restarts != self._remaining_mirror:
@@ -622,6 +622,7 @@ class DdpjobAgent(LocalElasticAgent):
         if self._warm is not None:
             self._warm.group_started()
         signals.install()  # torch's PContext.start replaced our handler with its own
+        signals.check()  # a stop while they started: torch's run() stops them
         self._exit_clock.watch(pid for pid in ids.values() if isinstance(pid, int))
         return ids
 
@@ -935,6 +936,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._close_watch()
         self._expect_survivors()
         while True:
+            signals.check()
             if self._store_lost:
                 if deadline is None:
                     deadline = time.monotonic() + self._settings.join_timeout
@@ -1471,6 +1473,13 @@ def _stop_heartbeats(handler: RendezvousHandler) -> None:
     threading.Thread(target=run, name="ddpjob-stop-heartbeats", daemon=True).start()
 
 
+def _pause(seconds: float) -> None:
+    """Sleep between two looks at the workers, then act on a stop signal whose raise was
+    swallowed (:func:`ddpjob_worker.signals.check`)."""
+    time.sleep(seconds)
+    signals.check()
+
+
 def _call_bounded(
     call: Callable[[], _T],
     what: str,
@@ -1588,6 +1597,7 @@ def launch(
     if settings.failover and config.rdzv_backend == "c10d" and params.endpoint:
         params, gen, hosting = _find_store(params, settings)
     handler = _first_handler(params, settings, state, hosting=hosting)
+    signals.check()
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
         master_addr, master_port = static_master(config.rdzv_endpoint)
@@ -1622,6 +1632,7 @@ def launch(
     shutdown_rdzv = True
     succeeded = False
     try:
+        signals.check()
         result = agent.run()
         if result.is_failed() or agent.gave_up:
             if result.failures:
@@ -1674,6 +1685,7 @@ def _find_store(
     hosting = bool(settings.is_host)
     deadline = time.monotonic() + FIND_STORE_SECONDS
     while True:
+        signals.check()
         answers = _ask_peers(settings.peers)
         found = best_store(answers, params.run_id)
         mine = found is not None and found.store == params.endpoint and found.gen <= 1
@@ -1731,6 +1743,7 @@ def _host_store(
     deadline = time.monotonic() + settings.join_timeout
     attempt = 0
     while True:
+        signals.check()
         try:
             return rdzv_registry.get_rendezvous_handler(params)
         except RendezvousConnectionError as exc:
@@ -1772,6 +1785,7 @@ def _first_handler(
     deadline = time.monotonic() + settings.join_timeout
     state.update(phase=Phase.WAITING)
     while True:
+        signals.check()
         remaining = deadline - time.monotonic()
         probe = wait_for_endpoint(
             host, port, max(0.0, remaining), join_timeout=settings.join_timeout

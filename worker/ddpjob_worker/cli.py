@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -141,6 +142,7 @@ def _run(plan: _Plan, writer: StateWriter, early: list[warm.Spare]) -> None:
 
     @record
     def run() -> dict[int, Any]:
+        signals.check()
         return launch(
             plan.config,
             plan.entrypoint,
@@ -170,15 +172,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not _torch_ok(argv):
         return _exit_now(EXIT_USAGE)
     apply_env_defaults(os.environ)
-    signals.install()
     early: list[warm.Spare] = []
     writer: StateWriter | None = None
     saving_dir: str | None = None
+
+    def stopped_while_starting(sig: signal.Signals) -> NoReturn:
+        logger.warning("stopped by %s while starting", sig.name)
+        _clean_up(early, saving_dir)
+        _exit_now(EXIT_STOPPED)
+
+    signals.exit_early(stopped_while_starting)
+    signals.install()
     try:
         saving_dir = _saving_dir(os.environ)
         # Before torch's own import below: the first workers' imports overlap ours.
         _early_spares(argv, os.environ, early)
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # imports torch
+        signals.exit_early(None)  # a stop raises from now on (SignalException)
         state_file = args.state_file or os.environ.get(DDPJOB_STATE_FILE) or None
         writer = StateWriter(state_file, max_restarts=args.max_restarts)
         writer.update(phase=Phase.WAITING)
@@ -194,14 +204,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             writer.update(phase=Phase.STOPPED)
         code = EXIT_STOPPED
     finally:
-        for spare in early:  # the agent has handed them over or killed them, unless it failed
-            if spare.proc.stdin is not None and not spare.proc.stdin.closed:
-                spare.kill()
-        if saving_dir is not None:
-            shutil.rmtree(saving_dir, ignore_errors=True)
-            os.environ.pop(DDPJOB_SAVING_DIR, None)
+        signals.exit_early(None)
+        _clean_up(early, saving_dir)
     signals.ignore()
     return _exit_now(code)
+
+
+def _clean_up(early: list[warm.Spare], saving_dir: str | None) -> None:
+    """Kill the early spares the agent did not take (it hands them over or kills them, unless
+    it failed or never ran), and remove our checkpoint-marker directory."""
+    for spare in early:
+        if spare.proc.stdin is not None and not spare.proc.stdin.closed:
+            spare.kill()
+    if saving_dir is not None:
+        shutil.rmtree(saving_dir, ignore_errors=True)
+        os.environ.pop(DDPJOB_SAVING_DIR, None)
 
 
 def _saving_dir(env: MutableMapping[str, str]) -> str | None:

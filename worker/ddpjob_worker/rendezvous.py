@@ -53,7 +53,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _should_keep_alive,
 )
 
-from ddpjob_worker import liveness
+from ddpjob_worker import liveness, signals
 from ddpjob_worker.policy import has_quorum, round_is_full
 from ddpjob_worker.seal import Seal, SealError
 
@@ -592,6 +592,7 @@ class _Executor(_DistributedRendezvousOpExecutor):
                     fast.while_waiting()
                 # torch would sleep 1 s here and sync again; we look every poll interval.
                 time.sleep(self._poll)
+                signals.check()
                 _fresh_sync(self._state_holder)
                 self._state = self._state_holder.state
                 ctx = _RendezvousContext(self._node, self._state, self._settings)
