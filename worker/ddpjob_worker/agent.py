@@ -39,18 +39,13 @@ torch's own code.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import json
 import logging
-import os
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from torch.distributed import DistNetworkError, DistStoreError
@@ -63,32 +58,25 @@ from torch.distributed.elastic.agent.server.api import (  # the exit barrier's k
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing import api as torch_mp_api
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.elastic.rendezvous.utils import (  # torch's own hostname heuristic
-    _matches_machine_hostname,
-)
 from torch.distributed.elastic.utils.store import (  # the barrier's check-in, torch's own
     _barrier_nonblocking,
 )
 from torch.distributed.launcher.api import LaunchConfig
 
-from ddpjob_worker import liveness, orphans, signals, warm
+from ddpjob_worker import liveness, signals, warm, workers
+from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.endpoint import wait_for_endpoint
-from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError, WorkersStuckError
+from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError
 from ddpjob_worker.exits import ExitClock
 from ddpjob_worker.policy import (
     FAILURE_REPORTS_KEY,
     FAILURE_SETTLE_SECONDS,
-    HOST_LINGER_SECONDS,
     REAP_SECONDS,
     RECOVERY_PROBE_CAP_SECONDS,
     Action,
@@ -103,11 +91,9 @@ from ddpjob_worker.policy import (
     format_report,
     is_membership_change,
     is_root_cause,
-    next_delay,
     parse_reports,
     settled,
     split_endpoint,
-    static_master,
     successor,
 )
 from ddpjob_worker.rendezvous import (
@@ -119,9 +105,9 @@ from ddpjob_worker.rendezvous import (
     FastRendezvous,
     ident,
     is_jobs_store,
-    seed_incarnation,
+    stop_heartbeats,
+    store_params,
 )
-from ddpjob_worker.saving import marker as saving_marker
 from ddpjob_worker.seal import Seal
 from ddpjob_worker.state import AgentState, Failure, Phase, StateWriter
 
@@ -139,9 +125,6 @@ that many peers) and the store's host, which keeps the questions per agent const
 WATCH_NEIGHBOURS = 8
 END_HANDOVER = "handover"
 """The store's host leaves on SIGTERM: the others carry on around a new host at once."""
-FIND_STORE_SECONDS = 5.0
-"""How long a replacement pod 0 waits for the others to name a store other than the one of the
-pod it replaces, before it hosts its endpoint itself."""
 LEAVE_BOUND_SECONDS = 1.5
 """How long leaving the rendezvous may hold up a SIGTERM on its way to the workers (a store
 host that does not answer would otherwise hold it up forever)."""
@@ -156,9 +139,6 @@ _STATUS = {
 
 class DdpjobAgent(LocalElasticAgent):
     """``LocalElasticAgent`` that survives losing the store host and refunds membership changes."""
-
-    _next_reap = 0.0
-    """When :meth:`_reap_orphans` looks next (monotonic seconds)."""
 
     def __init__(
         self,
@@ -225,14 +205,8 @@ class DdpjobAgent(LocalElasticAgent):
         self._asker: concurrent.futures.ThreadPoolExecutor | None = None
         self._superseding: _Look | None = None
         self._fast = self._attach(spec.rdzv_handler)
-        self._warm: warm.WarmPool | None = None
-        if settings.warm_workers and isinstance(spec.entrypoint, str):
-            label = _entrypoint_name(spec.entrypoint, list(spec.args))
-            self._warm = warm.WarmPool(spec.local_world_size, label=label)
-            self._warm.adopt(early_spares)
-        else:
-            for spare in early_spares:
-                spare.kill()
+        self._warm = _warm_pool(spec, settings, early_spares)
+        self._reaper = workers.Reaper(self._known_pids)
         self.gave_up = False
 
     @functools.cached_property
@@ -328,7 +302,7 @@ class DdpjobAgent(LocalElasticAgent):
             if action is Action.CONTINUE:
                 if status is WorkerStatus.HEALTHY:
                     self._tick_warm()
-                self._reap_orphans()
+                self._reaper.tick()
                 if time.monotonic() - last_write >= self._heartbeat_seconds:
                     self._state.update()
                     last_write = time.monotonic()
@@ -617,7 +591,7 @@ class DdpjobAgent(LocalElasticAgent):
         return result
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        with _handlers_from(self._warm):
+        with workers.warm_handlers(self._warm):
             ids: dict[int, Any] = super()._start_workers(worker_group)
         if self._warm is not None:
             self._warm.group_started()
@@ -626,25 +600,12 @@ class DdpjobAgent(LocalElasticAgent):
         self._exit_clock.watch(pid for pid in ids.values() if isinstance(pid, int))
         return ids
 
-    def _worker_procs(self) -> list[subprocess.Popen[bytes]]:
-        """The current workers' processes (torch's ``SubprocessContext``; none for function
-        entrypoints, which torch runs in a multiprocessing context)."""
-        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
-        return [handler.proc for handler in handlers.values()]
-
-    def _reap_orphans(self) -> None:
-        """As PID 1 (a container with no init), once a second: reap the zombies of processes
-        our workers left behind (:mod:`ddpjob_worker.orphans`), never a process torch or the
-        warm pool waits for."""
-        if os.getpid() != 1 or time.monotonic() < self._next_reap:
-            return
-        self._next_reap = time.monotonic() + 1.0
-        known = {proc.pid for proc in self._worker_procs()}
+    def _known_pids(self) -> set[int]:
+        """Processes someone waits for: the workers (torch), the idle spares (the pool)."""
+        known = {proc.pid for proc in workers.processes(self._pcontext)}
         if self._warm is not None:
             known.update(self._warm.idle)
-        reaped = orphans.reap(known)
-        if reaped:
-            logger.debug("reaped %d orphaned process(es): %s", len(reaped), reaped)
+        return known
 
     def _tick_warm(self) -> None:
         """Start missing spares, and say in the state how many are ready."""
@@ -742,7 +703,7 @@ class DdpjobAgent(LocalElasticAgent):
             # as torch's is while it looks up a new client's name in a DNS that does not answer
             # (10 s with glibc's defaults). Giving up on it would end the pod (exit 200).
             limit = max(limit, HOST_LOOK_SECONDS)
-        return _call_bounded(
+        return call_bounded(
             call,
             what,
             limit=limit,
@@ -826,68 +787,10 @@ class DdpjobAgent(LocalElasticAgent):
         torch waits 30 s here. A pod's graceful stop (SIGTERM to the agent) still gets the full
         grace period: torch's ``run()`` calls ``_shutdown`` with it directly.
         """
-        self._wait_saves(self._settings.grace_seconds)
+        workers.wait_saves(workers.processes(self._pcontext), self._settings.grace_seconds)
         # torch types the timeout int, but only adds it to a deadline: a fraction is kept.
         self._shutdown(timeout=self._stop_seconds)  # type: ignore[arg-type]
-        self._wait_gone(REAP_SECONDS)
-
-    def _wait_saves(self, limit: float) -> None:
-        """Before stopping our workers, let those writing a checkpoint (inside
-        ``ddpjob_worker.saving()``) finish it, for up to ``limit`` seconds."""
-        procs = self._worker_procs()
-        deadline = time.monotonic() + limit
-        told = False
-        while True:
-            busy = [
-                proc.pid
-                for proc in procs
-                if proc.poll() is None
-                and (path := saving_marker(proc.pid)) is not None
-                and path.exists()
-            ]
-            if not busy:
-                return
-            if time.monotonic() >= deadline:
-                logger.warning(
-                    "worker pid %s still saving a checkpoint after %gs: stopping it anyway",
-                    ", ".join(map(str, busy)),
-                    limit,
-                )
-                return
-            if not told:
-                told = True
-                logger.info(
-                    "worker pid %s is saving a checkpoint: letting it finish (up to %gs) "
-                    "before stopping it",
-                    ", ".join(map(str, busy)),
-                    limit,
-                )
-            time.sleep(0.05)
-
-    def _wait_gone(self, limit: float) -> None:
-        """Wait up to ``limit`` seconds for the stopped workers to be gone (:data:`REAP_SECONDS`:
-        torch gives up on them after the short stop timeout, while a GPU process may still
-        hold its device)."""
-        procs = [proc for proc in self._worker_procs() if proc.poll() is None]
-        if not procs:
-            return
-        logger.warning(
-            "waiting up to %gs for %d stopped worker(s) to exit (pid %s) before new ones start",
-            limit,
-            len(procs),
-            ", ".join(str(proc.pid) for proc in procs),
-        )
-        deadline = time.monotonic() + limit
-        for proc in procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.error(
-                    "worker pid %d has not exited %gs after its SIGKILL (stuck in the kernel or "
-                    "a device driver?): starting the next workers anyway",
-                    proc.pid,
-                    limit,
-                )
+        workers.wait_gone(workers.processes(self._pcontext), REAP_SECONDS)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """torch's shutdown; on SIGTERM/SIGINT we first leave the rendezvous (not as its host:
@@ -907,7 +810,7 @@ class DdpjobAgent(LocalElasticAgent):
             return
         self._close_watch()
         try:
-            _call_bounded(fast.leave, "leave the rendezvous", limit=LEAVE_BOUND_SECONDS)
+            call_bounded(fast.leave, "leave the rendezvous", limit=LEAVE_BOUND_SECONDS)
         except Exception as exc:  # best effort: peers fall back on our heartbeats lapsing
             logger.warning("could not leave the rendezvous: %s", exc)
 
@@ -921,7 +824,7 @@ class DdpjobAgent(LocalElasticAgent):
             fast.announce_end(END_LEAVE, END_HANDOVER)
 
         try:
-            _call_bounded(hand_over, "hand the store over", limit=LEAVE_BOUND_SECONDS)
+            call_bounded(hand_over, "hand the store over", limit=LEAVE_BOUND_SECONDS)
             logger.info("handed the rendezvous store over: the others carry on without us")
         except Exception as exc:  # best effort: they find the store gone when we exit
             logger.warning("could not hand the store over: %s", exc)
@@ -1063,7 +966,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._state.update(phase=Phase.RECOVERING)
         spec = self._worker_group.spec
         self._close_watch()
-        _stop_heartbeats(spec.rdzv_handler)
+        stop_heartbeats(spec.rdzv_handler)
         self._say(orphan=True)
         if self._settings.failover and self._fail_over(deadline):
             return
@@ -1114,7 +1017,7 @@ class DdpjobAgent(LocalElasticAgent):
                 time.sleep(min(RECOVERY_PROBE_CAP_SECONDS, max(0.0, remaining)))
                 continue
             try:
-                handler: RendezvousHandler = _call_bounded(
+                handler: RendezvousHandler = call_bounded(
                     functools.partial(rdzv_registry.get_rendezvous_handler, params),
                     "connect to the rendezvous store",
                     limit=self._settings.store_read_timeout or 10.0,
@@ -1231,9 +1134,9 @@ class DdpjobAgent(LocalElasticAgent):
         _, configured = split_endpoint(self._params.endpoint)
         handler: RendezvousHandler | None = None
         for port in dict.fromkeys((configured, 0)):
-            params = _store_params(self._params, f"{addr}:{port}", is_host=True)
+            params = store_params(self._params, f"{addr}:{port}", is_host=True)
             try:
-                handler = _call_bounded(
+                handler = call_bounded(
                     functools.partial(rdzv_registry.get_rendezvous_handler, params),
                     "host the rendezvous store",
                     limit=10.0,
@@ -1244,7 +1147,7 @@ class DdpjobAgent(LocalElasticAgent):
         if handler is None:
             raise EndpointUnreachableError("could not host the rendezvous store on any port")
         port = int(getattr(getattr(handler, "_store", None), "port", 0) or configured)
-        self._params = _store_params(self._params, f"{addr}:{port}", is_host=True)
+        self._params = store_params(self._params, f"{addr}:{port}", is_host=True)
         self._hosting = True
         self._gen += 1
         self._store_address = None  # not named to anyone before the base is in it
@@ -1263,7 +1166,7 @@ class DdpjobAgent(LocalElasticAgent):
 
     def _move_to(self, found: StoreAnswer, deadline: float, expect: frozenset[str] | None) -> None:
         """Join the store another agent named (its generation is newer than ours)."""
-        params = _store_params(self._params, found.store, is_host=False)
+        params = store_params(self._params, found.store, is_host=False)
         handler = self._connect(
             params,
             deadline,
@@ -1383,41 +1286,6 @@ class DdpjobAgent(LocalElasticAgent):
         return self._budget
 
 
-class _WarmHandler(SubprocessHandler):
-    """torch's handler for one worker process, started from a warm spare when one fits."""
-
-    def __init__(self, pool: warm.WarmPool, **kwargs: Any) -> None:
-        self._pool = pool
-        super().__init__(**kwargs)
-
-    def _popen(self, args: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        redirected = self._stdout is not None or self._stderr is not None
-        proc = self._pool.take(args, env, redirected=redirected)
-        if proc is not None:
-            logger.info("local rank %d: started warm (pid %d)", self.local_rank_id, proc.pid)
-            return proc
-        return super()._popen(args, env)
-
-
-@contextlib.contextmanager
-def _handlers_from(pool: warm.WarmPool | None) -> Iterator[None]:
-    """While torch starts a worker group, make its process context build :class:`_WarmHandler`
-    (torch looks ``get_subprocess_handler`` up in its ``api`` module at that moment)."""
-    if pool is None:
-        yield
-        return
-    original = getattr(torch_mp_api, "get_subprocess_handler")  # noqa: B009 - not re-exported
-
-    def make(**kwargs: Any) -> SubprocessHandler:
-        return _WarmHandler(pool, **kwargs)
-
-    setattr(torch_mp_api, "get_subprocess_handler", make)  # noqa: B010 - a scoped swap
-    try:
-        yield
-    finally:
-        setattr(torch_mp_api, "get_subprocess_handler", original)  # noqa: B010
-
-
 def _round_members(handler: RendezvousHandler) -> frozenset[str] | None:
     """The agents (address, pid, local id) of the round just joined, if the handler says.
 
@@ -1439,38 +1307,19 @@ class SupersededError(RuntimeError):
         self.found = found
 
 
-def _store_params(
-    params: RendezvousParameters, endpoint: str, *, is_host: bool
-) -> RendezvousParameters:
-    """``params`` for the store at ``endpoint``, hosted by us or not."""
-    config = {key: value for key, value in params.config.items() if key != "is_host"}
-    return RendezvousParameters(
-        backend=params.backend,
-        endpoint=endpoint,
-        run_id=params.run_id,
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        local_addr=params.local_addr,
-        is_host="true" if is_host else "false",
-        **config,
-    )
-
-
-def _stop_heartbeats(handler: RendezvousHandler) -> None:
-    """Stop a dead handler's keep-alive thread (torch has no public API for it), without
-    waiting: torch joins that thread, which may be blocked for good on a store that stopped
-    answering."""
-    stop: Callable[[], None] | None = getattr(handler, "_stop_heartbeats", None)
-    if stop is None:
-        return
-
-    def run() -> None:
-        try:
-            stop()
-        except Exception:  # best effort on a handler we are discarding
-            logger.debug("could not stop the old handler's heartbeats", exc_info=True)
-
-    threading.Thread(target=run, name="ddpjob-stop-heartbeats", daemon=True).start()
+def _warm_pool(
+    spec: WorkerSpec, settings: Settings, early_spares: Sequence[warm.Spare]
+) -> warm.WarmPool | None:
+    """The agent's spares (adopting the early ones), or None (off, or a function entrypoint:
+    the early spares are killed)."""
+    if settings.warm_workers and isinstance(spec.entrypoint, str):
+        label = workers.entrypoint_name(spec.entrypoint, list(spec.args))
+        pool = warm.WarmPool(spec.local_world_size, label=label)
+        pool.adopt(early_spares)
+        return pool
+    for spare in early_spares:
+        spare.kill()
+    return None
 
 
 def _pause(seconds: float) -> None:
@@ -1478,38 +1327,6 @@ def _pause(seconds: float) -> None:
     swallowed (:func:`ddpjob_worker.signals.check`)."""
     time.sleep(seconds)
     signals.check()
-
-
-def _call_bounded(
-    call: Callable[[], _T],
-    what: str,
-    *,
-    limit: float,
-    give_up: Callable[[], bool] = lambda: False,
-) -> _T:
-    """``call()`` on a daemon thread, waited for at most ``limit`` seconds, or until
-    ``give_up()`` says so (asked every 0.05 s). Raises :class:`StoreSilentError` then; the
-    call's own exception otherwise. A call that never returns stays blocked on its thread."""
-    done = threading.Event()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # handed to the caller
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"ddpjob-{what.replace(' ', '-')}", daemon=True).start()
-    deadline = time.monotonic() + limit
-    while not done.wait(0.05):
-        if time.monotonic() >= deadline or give_up():
-            raise StoreSilentError(f"could not {what}: the store did not answer")
-    if "error" in box:
-        raise box["error"]
-    value: _T = box["value"]
-    return value
 
 
 def _watched(addresses: dict[str, str], *, me: str, host: str | None) -> dict[str, str]:
@@ -1553,269 +1370,3 @@ def _describe_failure(result: RunResult) -> Failure:
         rank=rank,
         at=time.time(),
     )
-
-
-def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[str]) -> str:
-    if callable(entrypoint):
-        return getattr(entrypoint, "__name__", "entrypoint")
-    if entrypoint == sys.executable:
-        return next((arg for arg in args if not arg.startswith("-")), "")
-    return entrypoint
-
-
-def launch(
-    config: LaunchConfig,
-    entrypoint: Callable[..., Any] | str,
-    args: list[str],
-    *,
-    settings: Settings,
-    state: StateWriter,
-    heartbeat_seconds: float,
-    early_spares: Sequence[warm.Spare] = (),
-) -> dict[int, Any]:
-    """torch's ``launch_agent``, with our agent, the endpoint wait and the state file.
-
-    Raises ``ChildFailedError`` when the workers fail for good (torchrun's behaviour), and
-    :class:`EndpointUnreachableError` when the store never comes up.
-    """
-    rdzv_configs = dict(config.rdzv_configs)
-    if settings.is_host is not None and config.rdzv_backend == "c10d":
-        rdzv_configs["is_host"] = "true" if settings.is_host else "false"
-    if settings.store_read_timeout is not None and config.rdzv_backend == "c10d":
-        rdzv_configs.setdefault("read_timeout", f"{settings.store_read_timeout:g}")
-    params = RendezvousParameters(
-        backend=config.rdzv_backend,
-        endpoint=config.rdzv_endpoint,
-        run_id=config.run_id,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        **rdzv_configs,
-    )
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    gen, hosting = 1, bool(settings.is_host)
-    if settings.failover and config.rdzv_backend == "c10d" and params.endpoint:
-        params, gen, hosting = _find_store(params, settings)
-    handler = _first_handler(params, settings, state, hosting=hosting)
-    signals.check()
-    master_addr, master_port = None, None
-    if config.rdzv_backend == "static":
-        master_addr, master_port = static_master(config.rdzv_endpoint)
-    spec = WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        entrypoint=entrypoint,
-        args=tuple(args),
-        rdzv_handler=handler,
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
-        master_addr=master_addr,
-        master_port=master_port,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
-    )
-    agent = DdpjobAgent(
-        spec,
-        config=config,
-        params=params,
-        settings=settings,
-        state=state,
-        heartbeat_seconds=heartbeat_seconds,
-        early_spares=early_spares,
-        gen=gen,
-        hosting=hosting,
-    )
-    shutdown_rdzv = True
-    succeeded = False
-    try:
-        signals.check()
-        result = agent.run()
-        if result.is_failed() or agent.gave_up:
-            if result.failures:
-                raise ChildFailedError(
-                    name=_entrypoint_name(entrypoint, args), failures=result.failures
-                )
-            raise WorkersStuckError(
-                "workers were unhealthy and torch disabled restarts (a worker was stuck in "
-                "uninterruptible sleep)"
-            )
-        succeeded = True
-        return dict(result.return_values)
-    except SignalException:
-        # As torch: a signalled agent must not close the rendezvous for the others.
-        shutdown_rdzv = False
-        raise
-    finally:
-        agent.close_warm()
-        if settings.in_ddpjob_pod and not succeeded:
-            # Our pod fails and the operator replaces it; the other agents carry on and re-admit
-            # the replacement. Closing the rendezvous would end the job on every pod.
-            shutdown_rdzv = False
-        if shutdown_rdzv:
-            spec.rdzv_handler.shutdown()
-            if settings.is_host and not succeeded:
-                # Keep the store up a little after closing the rendezvous, so the other agents
-                # read "closed" (the job is over: exit 1) instead of finding the store gone
-                # (the host was lost: wait up to the join timeout for it to come back).
-                logger.info(
-                    "closed the rendezvous; keeping the store up %gs for the others",
-                    HOST_LINGER_SECONDS,
-                )
-                time.sleep(HOST_LINGER_SECONDS)
-        _stop_heartbeats(spec.rdzv_handler)
-
-
-def _find_store(
-    params: RendezvousParameters, settings: Settings
-) -> tuple[RendezvousParameters, int, bool]:
-    """Ask the job's agents (``DDPJOB_RDZV_PEERS``) which store carries the job now:
-    ``(params, generation, we host it)``. A replacement pod 0, or a pod added by a scale-up,
-    joins the store the others moved to after losing pod 0; nobody answering (the job's
-    start) leaves the configured endpoint, hosted by pod 0 as generation 1.
-
-    Pod 0 named as the host of generation 1 at its own endpoint is the pod it replaces, which
-    is gone: the others are about to carry on around a new host, so it asks again for a few
-    seconds before it hosts the endpoint itself. A later generation at that endpoint is
-    another pod's store (under ``ddpjob run`` every pod's address is 127.0.0.1): it joins it.
-    """
-    hosting = bool(settings.is_host)
-    deadline = time.monotonic() + FIND_STORE_SECONDS
-    while True:
-        signals.check()
-        answers = _ask_peers(settings.peers)
-        found = best_store(answers, params.run_id)
-        mine = found is not None and found.store == params.endpoint and found.gen <= 1
-        if found is not None and not (hosting and mine):
-            logger.info(
-                "the job's pods name generation %d of its store at %s: joining it",
-                found.gen,
-                found.store,
-            )
-            return _store_params(params, found.store, is_host=False), found.gen, False
-        if found is None or time.monotonic() >= deadline:
-            gens = [
-                info["gen"]
-                for info in answers
-                if info.get("run") == params.run_id and isinstance(info.get("gen"), int)
-            ]
-            return params, (max(gens) + 1 if gens and hosting else 1), hosting
-        time.sleep(0.2)
-
-
-def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
-    """Every answer of the agents at ``peers`` (a name may resolve to many addresses)."""
-    addresses: dict[str, str] = {}
-    for peer in peers:
-        host, port = split_endpoint(peer, default_port=-1)
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            logger.info("no address for %s yet: %s", peer, exc)
-            continue
-        for info in infos:
-            ip = str(info[4][0])
-            shown = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-            addresses[shown] = shown
-    answers = liveness.ask_all(addresses)
-    return [dict(answer.info) for answer in answers.values() if answer.info is not None]
-
-
-def _port_busy(exc: BaseException) -> bool:
-    """Whether torch could not host the store because its port is taken (EADDRINUSE)."""
-    cause: BaseException | None = exc
-    while cause is not None:
-        if "EADDRINUSE" in str(cause) or "address already in use" in str(cause):
-            return True
-        cause = cause.__cause__
-    return False
-
-
-def _host_store(
-    params: RendezvousParameters, settings: Settings, state: StateWriter
-) -> RendezvousHandler:
-    """Host the store at ``params.endpoint``; while its port is taken (the pod we replace may
-    still hold it, terminating, on a hostNetwork node), try again with a back-off up to the
-    join timeout, saying what we wait for."""
-    deadline = time.monotonic() + settings.join_timeout
-    attempt = 0
-    while True:
-        signals.check()
-        try:
-            return rdzv_registry.get_rendezvous_handler(params)
-        except RendezvousConnectionError as exc:
-            if not _port_busy(exc):
-                raise
-            if time.monotonic() >= deadline:
-                raise EndpointUnreachableError(
-                    f"could not host the rendezvous store at {params.endpoint}: its port stayed "
-                    f"in use for the join timeout ({settings.join_timeout:g}s); something else "
-                    "listens there (another job's store, on the same node with hostNetwork?)"
-                ) from exc
-            if attempt == 0:
-                state.update(phase=Phase.WAITING)
-            delay = next_delay(attempt, initial=0.2, cap=2.0)
-            logger.warning(
-                "the rendezvous port of %s is in use (the pod we replace may still hold it): "
-                "trying again in %.1fs, until the join timeout",
-                params.endpoint,
-                delay,
-            )
-            attempt += 1
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-
-
-def _first_handler(
-    params: RendezvousParameters, settings: Settings, state: StateWriter, *, hosting: bool
-) -> RendezvousHandler:
-    """Wait for the endpoint (unless we host it), then create the rendezvous handler."""
-    seed_incarnation()
-    if params.backend == "c10d" and hosting and params.endpoint:
-        return _host_store(params, settings, state)
-    if params.backend != "c10d" or hosting or not params.endpoint:
-        return rdzv_registry.get_rendezvous_handler(params)
-    host, port = split_endpoint(params.endpoint)
-    if port == 0 or (settings.is_host is None and _matches_machine_hostname(host)):
-        # No explicit host (plain torchrun usage, or --standalone): torch decides by hostname,
-        # and we may be the one to host the store, so we must not wait for it.
-        return rdzv_registry.get_rendezvous_handler(params)
-    deadline = time.monotonic() + settings.join_timeout
-    state.update(phase=Phase.WAITING)
-    while True:
-        signals.check()
-        remaining = deadline - time.monotonic()
-        probe = wait_for_endpoint(
-            host, port, max(0.0, remaining), join_timeout=settings.join_timeout
-        )
-        if probe.attempts > 1:
-            logger.info(
-                "rendezvous endpoint %s:%d is up after %d tries", host, port, probe.attempts
-            )
-        try:
-            handler = rdzv_registry.get_rendezvous_handler(params)
-        except RendezvousConnectionError as exc:
-            if deadline - time.monotonic() <= 0:
-                raise EndpointUnreachableError(
-                    f"rendezvous endpoint {host}:{port} accepts connections but its store did "
-                    f"not answer within the join timeout ({settings.join_timeout:g}s): {exc}"
-                ) from exc
-            time.sleep(0.2)
-            continue
-        if is_jobs_store(handler, Seal.from_env()):
-            return handler
-        if deadline - time.monotonic() <= 0:
-            raise EndpointUnreachableError(
-                f"the store at {host}:{port} is not this job's (its host never said so with the "
-                f"job's key) within the join timeout ({settings.join_timeout:g}s): the name "
-                "resolves to another pod's address"
-            )
-        logger.warning(
-            "the store at %s:%d is not this job's (no sealed %r key): looking again",
-            host,
-            port,
-            HOSTED,
-        )
-        time.sleep(0.5)

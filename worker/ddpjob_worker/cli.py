@@ -138,7 +138,7 @@ def _configure(args: argparse.Namespace) -> _Plan:
 def _run(plan: _Plan, writer: StateWriter, early: list[warm.Spare]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from ddpjob_worker.agent import launch
+    from ddpjob_worker.launch import launch
 
     @record
     def run() -> dict[int, Any]:

@@ -36,12 +36,13 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     _Action,
@@ -633,3 +634,37 @@ class _Executor(_DistributedRendezvousOpExecutor):
             waiting=len(state.wait_list),
             min_nodes=self._settings.min_nodes,
         )
+
+
+def store_params(
+    params: RendezvousParameters, endpoint: str, *, is_host: bool
+) -> RendezvousParameters:
+    """``params`` for the store at ``endpoint``, hosted by us or not."""
+    config = {key: value for key, value in params.config.items() if key != "is_host"}
+    return RendezvousParameters(
+        backend=params.backend,
+        endpoint=endpoint,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        is_host="true" if is_host else "false",
+        **config,
+    )
+
+
+def stop_heartbeats(handler: RendezvousHandler) -> None:
+    """Stop a dead handler's keep-alive thread (torch has no public API for it), without
+    waiting: torch joins that thread, which may be blocked for good on a store that stopped
+    answering."""
+    stop: Callable[[], None] | None = getattr(handler, "_stop_heartbeats", None)
+    if stop is None:
+        return
+
+    def run() -> None:
+        try:
+            stop()
+        except Exception:  # best effort on a handler we are discarding
+            logger.debug("could not stop the old handler's heartbeats", exc_info=True)
+
+    threading.Thread(target=run, name="ddpjob-stop-heartbeats", daemon=True).start()

@@ -1,0 +1,315 @@
+"""How ``ddpjob-agent`` starts: torch's ``launch_agent`` with our agent, the search for the
+store that carries the job now (a replacement or a newcomer joins the store the others moved
+to), hosting the store at its endpoint (waiting while a terminating predecessor holds its port)
+or waiting for it to resolve and answer, and the state file from the first moment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.utils import (  # torch's own hostname heuristic
+    _matches_machine_hostname,
+)
+from torch.distributed.launcher.api import LaunchConfig
+
+from ddpjob_worker import liveness, signals, warm
+from ddpjob_worker.agent import DdpjobAgent
+from ddpjob_worker.endpoint import wait_for_endpoint
+from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
+from ddpjob_worker.policy import (
+    HOST_LINGER_SECONDS,
+    Settings,
+    best_store,
+    next_delay,
+    split_endpoint,
+    static_master,
+)
+from ddpjob_worker.rendezvous import (
+    HOSTED,
+    is_jobs_store,
+    seed_incarnation,
+    stop_heartbeats,
+    store_params,
+)
+from ddpjob_worker.seal import Seal
+from ddpjob_worker.state import Phase, StateWriter
+from ddpjob_worker.workers import entrypoint_name
+
+logger = logging.getLogger("ddpjob_worker.launch")
+
+FIND_STORE_SECONDS = 5.0
+"""How long a replacement pod 0 waits for the others to name a store other than the one of the
+pod it replaces, before it hosts its endpoint itself."""
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: list[str],
+    *,
+    settings: Settings,
+    state: StateWriter,
+    heartbeat_seconds: float,
+    early_spares: Sequence[warm.Spare] = (),
+) -> dict[int, Any]:
+    """torch's ``launch_agent``, with our agent, the endpoint wait and the state file.
+
+    Raises ``ChildFailedError`` when the workers fail for good (torchrun's behaviour), and
+    :class:`EndpointUnreachableError` when the store never comes up.
+    """
+    rdzv_configs = dict(config.rdzv_configs)
+    if settings.is_host is not None and config.rdzv_backend == "c10d":
+        rdzv_configs["is_host"] = "true" if settings.is_host else "false"
+    if settings.store_read_timeout is not None and config.rdzv_backend == "c10d":
+        rdzv_configs.setdefault("read_timeout", f"{settings.store_read_timeout:g}")
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **rdzv_configs,
+    )
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    gen, hosting = 1, bool(settings.is_host)
+    if settings.failover and config.rdzv_backend == "c10d" and params.endpoint:
+        params, gen, hosting = _find_store(params, settings)
+    handler = _first_handler(params, settings, state, hosting=hosting)
+    signals.check()
+    master_addr, master_port = None, None
+    if config.rdzv_backend == "static":
+        master_addr, master_port = static_master(config.rdzv_endpoint)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = DdpjobAgent(
+        spec,
+        config=config,
+        params=params,
+        settings=settings,
+        state=state,
+        heartbeat_seconds=heartbeat_seconds,
+        early_spares=early_spares,
+        gen=gen,
+        hosting=hosting,
+    )
+    shutdown_rdzv = True
+    succeeded = False
+    try:
+        signals.check()
+        result = agent.run()
+        if result.is_failed() or agent.gave_up:
+            if result.failures:
+                raise ChildFailedError(
+                    name=entrypoint_name(entrypoint, args), failures=result.failures
+                )
+            raise WorkersStuckError(
+                "workers were unhealthy and torch disabled restarts (a worker was stuck in "
+                "uninterruptible sleep)"
+            )
+        succeeded = True
+        return dict(result.return_values)
+    except SignalException:
+        # As torch: a signalled agent must not close the rendezvous for the others.
+        shutdown_rdzv = False
+        raise
+    finally:
+        agent.close_warm()
+        if settings.in_ddpjob_pod and not succeeded:
+            # Our pod fails and the operator replaces it; the other agents carry on and re-admit
+            # the replacement. Closing the rendezvous would end the job on every pod.
+            shutdown_rdzv = False
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+            if settings.is_host and not succeeded:
+                # Keep the store up a little after closing the rendezvous, so the other agents
+                # read "closed" (the job is over: exit 1) instead of finding the store gone
+                # (the host was lost: wait up to the join timeout for it to come back).
+                logger.info(
+                    "closed the rendezvous; keeping the store up %gs for the others",
+                    HOST_LINGER_SECONDS,
+                )
+                time.sleep(HOST_LINGER_SECONDS)
+        stop_heartbeats(spec.rdzv_handler)
+
+
+def _find_store(
+    params: RendezvousParameters, settings: Settings
+) -> tuple[RendezvousParameters, int, bool]:
+    """Ask the job's agents (``DDPJOB_RDZV_PEERS``) which store carries the job now:
+    ``(params, generation, we host it)``. A replacement pod 0, or a pod added by a scale-up,
+    joins the store the others moved to after losing pod 0; nobody answering (the job's
+    start) leaves the configured endpoint, hosted by pod 0 as generation 1.
+
+    Pod 0 named as the host of generation 1 at its own endpoint is the pod it replaces, which
+    is gone: the others are about to carry on around a new host, so it asks again for a few
+    seconds before it hosts the endpoint itself. A later generation at that endpoint is
+    another pod's store (under ``ddpjob run`` every pod's address is 127.0.0.1): it joins it.
+    """
+    hosting = bool(settings.is_host)
+    deadline = time.monotonic() + FIND_STORE_SECONDS
+    while True:
+        signals.check()
+        answers = _ask_peers(settings.peers)
+        found = best_store(answers, params.run_id)
+        mine = found is not None and found.store == params.endpoint and found.gen <= 1
+        if found is not None and not (hosting and mine):
+            logger.info(
+                "the job's pods name generation %d of its store at %s: joining it",
+                found.gen,
+                found.store,
+            )
+            return store_params(params, found.store, is_host=False), found.gen, False
+        if found is None or time.monotonic() >= deadline:
+            gens = [
+                info["gen"]
+                for info in answers
+                if info.get("run") == params.run_id and isinstance(info.get("gen"), int)
+            ]
+            return params, (max(gens) + 1 if gens and hosting else 1), hosting
+        time.sleep(0.2)
+
+
+def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
+    """Every answer of the agents at ``peers`` (a name may resolve to many addresses)."""
+    addresses: dict[str, str] = {}
+    for peer in peers:
+        host, port = split_endpoint(peer, default_port=-1)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            logger.info("no address for %s yet: %s", peer, exc)
+            continue
+        for info in infos:
+            ip = str(info[4][0])
+            shown = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            addresses[shown] = shown
+    answers = liveness.ask_all(addresses)
+    return [dict(answer.info) for answer in answers.values() if answer.info is not None]
+
+
+def _port_busy(exc: BaseException) -> bool:
+    """Whether torch could not host the store because its port is taken (EADDRINUSE)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if "EADDRINUSE" in str(cause) or "address already in use" in str(cause):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _host_store(
+    params: RendezvousParameters, settings: Settings, state: StateWriter
+) -> RendezvousHandler:
+    """Host the store at ``params.endpoint``; while its port is taken (the pod we replace may
+    still hold it, terminating, on a hostNetwork node), try again with a back-off up to the
+    join timeout, saying what we wait for."""
+    deadline = time.monotonic() + settings.join_timeout
+    attempt = 0
+    while True:
+        signals.check()
+        try:
+            return rdzv_registry.get_rendezvous_handler(params)
+        except RendezvousConnectionError as exc:
+            if not _port_busy(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise EndpointUnreachableError(
+                    f"could not host the rendezvous store at {params.endpoint}: its port stayed "
+                    f"in use for the join timeout ({settings.join_timeout:g}s); something else "
+                    "listens there (another job's store, on the same node with hostNetwork?)"
+                ) from exc
+            if attempt == 0:
+                state.update(phase=Phase.WAITING)
+            delay = next_delay(attempt, initial=0.2, cap=2.0)
+            logger.warning(
+                "the rendezvous port of %s is in use (the pod we replace may still hold it): "
+                "trying again in %.1fs, until the join timeout",
+                params.endpoint,
+                delay,
+            )
+            attempt += 1
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+
+
+def _first_handler(
+    params: RendezvousParameters, settings: Settings, state: StateWriter, *, hosting: bool
+) -> RendezvousHandler:
+    """Wait for the endpoint (unless we host it), then create the rendezvous handler."""
+    seed_incarnation()
+    if params.backend == "c10d" and hosting and params.endpoint:
+        return _host_store(params, settings, state)
+    if params.backend != "c10d" or hosting or not params.endpoint:
+        return rdzv_registry.get_rendezvous_handler(params)
+    host, port = split_endpoint(params.endpoint)
+    if port == 0 or (settings.is_host is None and _matches_machine_hostname(host)):
+        # No explicit host (plain torchrun usage, or --standalone): torch decides by hostname,
+        # and we may be the one to host the store, so we must not wait for it.
+        return rdzv_registry.get_rendezvous_handler(params)
+    deadline = time.monotonic() + settings.join_timeout
+    state.update(phase=Phase.WAITING)
+    while True:
+        signals.check()
+        remaining = deadline - time.monotonic()
+        probe = wait_for_endpoint(
+            host, port, max(0.0, remaining), join_timeout=settings.join_timeout
+        )
+        if probe.attempts > 1:
+            logger.info(
+                "rendezvous endpoint %s:%d is up after %d tries", host, port, probe.attempts
+            )
+        try:
+            handler = rdzv_registry.get_rendezvous_handler(params)
+        except RendezvousConnectionError as exc:
+            if deadline - time.monotonic() <= 0:
+                raise EndpointUnreachableError(
+                    f"rendezvous endpoint {host}:{port} accepts connections but its store did "
+                    f"not answer within the join timeout ({settings.join_timeout:g}s): {exc}"
+                ) from exc
+            time.sleep(0.2)
+            continue
+        if is_jobs_store(handler, Seal.from_env()):
+            return handler
+        if deadline - time.monotonic() <= 0:
+            raise EndpointUnreachableError(
+                f"the store at {host}:{port} is not this job's (its host never said so with the "
+                f"job's key) within the join timeout ({settings.join_timeout:g}s): the name "
+                "resolves to another pod's address"
+            )
+        logger.warning(
+            "the store at %s:%d is not this job's (no sealed %r key): looking again",
+            host,
+            port,
+            HOSTED,
+        )
+        time.sleep(0.5)
