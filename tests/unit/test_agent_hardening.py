@@ -17,7 +17,6 @@ from ddpjob_worker.policy import (
     CAUSE_ERROR,
     CAUSE_UNKNOWN,
     Action,
-    Budget,
     FailureReport,
     WorkerStatus,
     decide,
@@ -170,14 +169,6 @@ def test_torchs_stop_decision_wins_over_the_budget(store_lost: bool, collateral:
 
 
 # -- 15a: TORCHELASTIC_RESTART_COUNT -----------------------------------------------------------
-
-
-def test_restart_count_counts_refunded_and_free_restarts_after_failures() -> None:
-    budget = Budget(max_restarts=1).charge().refund().free_restart(after_failure=True)
-    assert budget.restart_count == 0
-    assert budget.remaining == 1
-    assert budget.torchrun_restart_count == 2
-    assert Budget(1).free_restart().torchrun_restart_count == 0  # scale-up: torchrun neither
 
 
 # -- 15b/d/e: settings -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The agent's pure decisions: backoff, the monitor-loop decision, the refund rule, settings."""
+"""The agent's pure decisions: backoff, the monitor-loop decision, settings."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ from ddpjob_worker.policy import (
     DEFAULT_GRACE_SECONDS,
     DEFAULT_JOIN_TIMEOUT,
     Action,
-    Budget,
     WorkerStatus,
     backoff_delays,
     decide,
-    is_membership_change,
     next_delay,
     resolve_settings,
     split_endpoint,
@@ -101,86 +99,6 @@ def test_only_a_worker_failure_is_ever_charged(
         assert not store_lost
     if action is Action.RESTART_CHARGED:
         assert remaining > 0
-
-
-@pytest.mark.parametrize(
-    ("previous", "new", "recovered", "refund"),
-    [
-        (None, 2, False, False),  # the first round: nothing to compare with
-        (3, 2, False, True),  # a peer left: our failure was its doing
-        (2, 2, False, False),  # same size: a worker really failed
-        (2, 3, False, False),  # grew: not a loss
-        (2, 2, True, True),  # the store host came back: a membership change
-        (None, 2, True, True),
-    ],
-)
-def test_refund_rule(previous: int | None, new: int, recovered: bool, refund: bool) -> None:
-    assert (
-        is_membership_change(previous_nodes=previous, new_nodes=new, store_recovered=recovered)
-        is refund
-    )
-
-
-A, B, B2, C = "10.0.0.1_100_0", "10.0.0.2_200_0", "10.0.0.2_201_0", "10.0.0.3_300_0"
-
-
-@pytest.mark.parametrize(
-    ("previous", "new", "refund"),
-    [
-        ({A, B}, {A, B}, False),  # the same agents rejoined: a worker really failed
-        ({A, B}, {A, B2}, True),  # B was replaced by a new agent within seconds: a peer was lost
-        ({A, B}, {A}, True),  # B left
-        ({A, B}, {A, B, C}, False),  # C joined, nobody left: the charge stands
-        ({A, B, C}, {A, B2}, True),
-    ],
-)
-def test_refund_rule_by_members(previous: set[str], new: set[str], refund: bool) -> None:
-    # Members decide when both rounds are known, whatever the node counts say.
-    assert (
-        is_membership_change(
-            previous_nodes=len(previous),
-            new_nodes=len(new),
-            store_recovered=False,
-            previous_members=frozenset(previous),
-            new_members=frozenset(new),
-        )
-        is refund
-    )
-
-
-def test_unknown_members_fall_back_to_counts() -> None:
-    assert is_membership_change(
-        previous_nodes=2, new_nodes=1, store_recovered=False, previous_members=frozenset({A, B})
-    )
-    assert not is_membership_change(
-        previous_nodes=2, new_nodes=2, store_recovered=False, new_members=frozenset({A, B2})
-    )
-
-
-def test_budget_charge_refund_and_free() -> None:
-    budget = Budget(max_restarts=2)
-    budget = budget.charge().charge()
-    assert (budget.restart_count, budget.remaining) == (2, 0)
-    with pytest.raises(ValueError, match="no restarts left of 2"):
-        budget.charge()
-    budget = budget.refund().free_restart()
-    assert (budget.restart_count, budget.remaining, budget.membership_restarts) == (1, 1, 2)
-    with pytest.raises(ValueError, match="nothing to refund"):
-        Budget(max_restarts=1).refund()
-
-
-@given(st.lists(st.sampled_from(["charge", "refund", "free"]), max_size=40))
-def test_budget_never_goes_negative(ops: list[str]) -> None:
-    budget = Budget(max_restarts=3)
-    for op in ops:
-        if op == "charge" and budget.remaining > 0:
-            budget = budget.charge()
-        elif op == "refund" and budget.restart_count > 0:
-            budget = budget.refund()
-        elif op == "free":
-            budget = budget.free_restart()
-        assert 0 <= budget.restart_count <= 3
-        assert budget.remaining == 3 - budget.restart_count
 
 
 @pytest.mark.parametrize(

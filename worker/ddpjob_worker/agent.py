@@ -74,13 +74,13 @@ from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError
 from ddpjob_worker.exits import ExitClock
+from ddpjob_worker.ledger import RestartLedger
 from ddpjob_worker.policy import (
     FAILURE_REPORTS_KEY,
     FAILURE_SETTLE_SECONDS,
     REAP_SECONDS,
     RECOVERY_PROBE_CAP_SECONDS,
     Action,
-    Budget,
     FailureReport,
     Settings,
     StoreAnswer,
@@ -89,7 +89,6 @@ from ddpjob_worker.policy import (
     decide,
     failure_cause,
     format_report,
-    is_membership_change,
     is_root_cause,
     parse_reports,
     settled,
@@ -167,15 +166,9 @@ class DdpjobAgent(LocalElasticAgent):
         self._settings = settings
         self._state = state
         self._heartbeat_seconds = heartbeat_seconds
-        self._budget = Budget(spec.max_restarts)
-        self._previous_nodes: int | None = None
-        self._previous_members: frozenset[str] | None = None
-        self._charge_pending = False
+        self._ledger = RestartLedger(spec.max_restarts)
         self._store_lost = False
         self._store_recoveries = 0
-        self._rounds = 0
-        self._restarts_disabled = False
-        self._remaining_mirror = self._remaining_restarts
         self._exit_clock = ExitClock()
         # (store, nodes) of each round we moved on from, for their exit barriers
         self._left_rounds: list[tuple[Any, int | None]] = []
@@ -289,9 +282,7 @@ class DdpjobAgent(LocalElasticAgent):
             _pause(spec.monitor_interval)
             result: RunResult = self._monitor_workers(group)
             noticed_at = time.time()
-            if self._remaining_restarts != self._remaining_mirror:
-                # torch lowered its counter itself (its watchdog's way of saying "stop").
-                self._restarts_disabled = True
+            self._ledger.check_torch(self._remaining_restarts)
             group.state = result.state
             status = _STATUS.get(result.state)
             if status is None:
@@ -319,8 +310,7 @@ class DdpjobAgent(LocalElasticAgent):
                 self._give_up(role, group)
                 return result
             if action is Action.RESTART_CHARGED:
-                self._budget = self._budget.charge()
-                self._charge_pending = True
+                self._ledger.charge()
             elif action is Action.RESTART_SETTLE_LATER:
                 # Restart at once; who is charged is settled when the next round has formed.
                 self._unsettled = (group.store, group.group_rank or 0)
@@ -329,7 +319,7 @@ class DdpjobAgent(LocalElasticAgent):
                 # admit a waiting node (torchrun does not count those either).
                 # A peer's failure or leave that ended our round counts too: under torchrun our
                 # workers would have failed with it.
-                self._budget = self._budget.free_restart(
+                self._ledger.free(
                     after_failure=status is WorkerStatus.FAILED or store_lost or self._broken()
                 )
                 self._store_lost = self._store_lost or store_lost
@@ -344,8 +334,8 @@ class DdpjobAgent(LocalElasticAgent):
                 nodes_waiting,
                 store_lost,
                 collateral,
-                self._budget.remaining,
-                self._budget.max_restarts,
+                self._ledger.remaining,
+                self._ledger.budget.max_restarts,
             )
             self._sync_budget(phase=Phase.RECOVERING)
             intact = status is WorkerStatus.HEALTHY and not (self._broken() or store_lost)
@@ -367,16 +357,16 @@ class DdpjobAgent(LocalElasticAgent):
         if status is WorkerStatus.FAILED and self._dropped:
             # A member went silent: whatever our workers did, the group lost a member.
             collateral = True
-        elif status is WorkerStatus.FAILED and not store_lost and not self._restarts_disabled:
+        elif status is WorkerStatus.FAILED and not store_lost and not self._ledger.disabled:
             collateral, store_lost = self._report_failure(group, failure)
         for _ in range(2):
             action = decide(
                 status,
-                remaining_restarts=self._budget.remaining,
+                remaining_restarts=self._ledger.remaining,
                 nodes_waiting=nodes_waiting,
                 store_lost=store_lost,
                 collateral=collateral,
-                restarts_disabled=self._restarts_disabled,
+                restarts_disabled=self._ledger.disabled,
             )
             if action is not Action.SETTLE_FIRST:
                 break
@@ -398,7 +388,7 @@ class DdpjobAgent(LocalElasticAgent):
             logger.warning("could not announce the end of the round: %s", exc)
 
     def _give_up(self, role: str, group: WorkerGroup) -> None:
-        if self._restarts_disabled:
+        if self._ledger.disabled:
             logger.error(
                 "[%s] workers failed and torch disabled restarts (a worker is stuck in "
                 "uninterruptible sleep): not restarting",
@@ -408,7 +398,7 @@ class DdpjobAgent(LocalElasticAgent):
             logger.error(
                 "[%s] workers failed and the restart budget (%d) is used up",
                 role,
-                self._budget.max_restarts,
+                self._ledger.budget.max_restarts,
             )
         self.close_warm()
         self._announce_end(END_FAILURE, store_lost=False)
@@ -554,7 +544,7 @@ class DdpjobAgent(LocalElasticAgent):
         if recovered:
             # The store host changed under us: a membership change, free (the old round's
             # reports died with its store).
-            self._budget = self._budget.free_restart(after_failure=True)
+            self._ledger.settle(root=False)
             return
         try:
             reports = self._reports(store)
@@ -564,11 +554,7 @@ class DdpjobAgent(LocalElasticAgent):
         else:
             root = is_root_cause(reports, node)
             self._log_reports(reports, node, collateral=not root)
-        if root and self._budget.remaining > 0:
-            self._budget = self._budget.charge()
-            self._charge_pending = True
-        else:
-            self._budget = self._budget.free_restart(after_failure=True)
+        self._ledger.settle(root=root)
 
     @staticmethod
     def _log_reports(reports: list[FailureReport], node: int, *, collateral: bool) -> None:
@@ -587,7 +573,7 @@ class DdpjobAgent(LocalElasticAgent):
             worker_group, timeout
         )
         if result is not None:
-            self._restarts_disabled = True
+            self._ledger.disable()
         return result
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -889,7 +875,7 @@ class DdpjobAgent(LocalElasticAgent):
             # The old rounds' barriers died with the old store (and whoever waited in them
             # with its host); their store clients could only hang or fail.
             self._left_rounds.clear()
-        elif self._rounds:
+        elif self._ledger.rounds:
             self._left_rounds.append(left)
 
     def _after_round(self, worker_group: WorkerGroup, recovered: bool) -> None:
@@ -899,28 +885,18 @@ class DdpjobAgent(LocalElasticAgent):
             raise RuntimeError("rendezvous completed without a world size")
         members = _round_members(worker_group.spec.rdzv_handler)
         self._settle(recovered)
-        if self._charge_pending and is_membership_change(
-            previous_nodes=self._previous_nodes,
-            new_nodes=new_nodes,
-            store_recovered=recovered,
-            previous_members=self._previous_members,
-            new_members=members,
-        ):
+        previous = self._ledger.previous_nodes
+        if self._ledger.round_formed(new_nodes, members, recovered=recovered):
             logger.info(
                 "refunding the last restart: a membership change (nodes %s -> %s, store "
                 "recovered %s)",
-                self._previous_nodes,
+                previous,
                 new_nodes,
                 recovered,
             )
-            self._budget = self._budget.refund()
-        self._charge_pending = False
-        self._previous_nodes = new_nodes
-        self._previous_members = members
-        self._rounds += 1
         local = [w.global_rank for w in worker_group.workers]
         self._sync_budget(
-            rdzv_round=self._rounds,
+            rdzv_round=self._ledger.rounds,
             num_nodes=new_nodes,
             node_rank=worker_group.group_rank,
             world_size=worker_group.workers[0].world_size if worker_group.workers else None,
@@ -1263,27 +1239,15 @@ class DdpjobAgent(LocalElasticAgent):
     # -- helpers ---------------------------------------------------------------------------
 
     def _sync_budget(self, **changes: Any) -> None:
-        """Mirror the budget into torch's counter and the state.
-
-        torch derives ``TORCHELASTIC_RESTART_COUNT`` as ``max_restarts - _remaining_restarts``;
-        we make it count as torchrun counts (every restart after a failure, free or not), so
-        the counter may go below 0. Once torch has disabled restarts, it stays at 0.
-        """
-        spec = self._worker_group.spec
-        if self._restarts_disabled:
-            self._remaining_restarts = 0
-        else:
-            self._remaining_restarts = spec.max_restarts - self._budget.torchrun_restart_count
-        self._remaining_mirror = self._remaining_restarts
+        """Mirror the budget into torch's counter (:meth:`RestartLedger.torch_counter`) and the
+        state."""
+        self._remaining_restarts = self._ledger.torch_counter()
+        budget = self._ledger.budget
         self._state.update(
-            restart_count=self._budget.restart_count,
-            membership_restarts=self._budget.membership_restarts,
+            restart_count=budget.restart_count,
+            membership_restarts=budget.membership_restarts,
             **changes,
         )
-
-    @property
-    def budget(self) -> Budget:
-        return self._budget
 
 
 def _round_members(handler: RendezvousHandler) -> frozenset[str] | None:
