@@ -17,7 +17,7 @@ from typing import IO
 import pytest
 
 from ddpjob_worker import liveness
-from ddpjob_worker.liveness import Liveness
+from ddpjob_worker.liveness import Health
 from ddpjob_worker.policy import (
     Action,
     FailureReport,
@@ -68,9 +68,9 @@ def test_a_round_completes_early_only_when_every_expected_node_is_in() -> None:
 
 def test_a_listening_agent_is_alive_and_a_closed_one_is_dead() -> None:
     listener = liveness.Listener("127.0.0.1")
-    assert liveness.probe(listener.address) is Liveness.ALIVE
+    assert liveness.probe(listener.address) is Health.ALIVE
     listener.close()
-    assert liveness.probe(listener.address) is Liveness.DEAD
+    assert liveness.probe(listener.address) is Health.GONE
 
 
 def test_the_kernel_answers_for_a_listener_that_never_accepts() -> None:
@@ -80,7 +80,7 @@ def test_the_kernel_answers_for_a_listener_that_never_accepts() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen(8)
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-        assert all(liveness.probe(address) is Liveness.ALIVE for _ in range(5))
+        assert all(liveness.probe(address) is Health.ALIVE for _ in range(5))
 
 
 def test_the_listener_of_a_killed_process_is_dead_at_once() -> None:
@@ -94,10 +94,10 @@ def test_the_listener_of_a_killed_process_is_dead_at_once() -> None:
         address = child.stdout.readline().strip()
         other = liveness.Listener("127.0.0.1")
         both = {"child": address, "other": other.address}
-        assert liveness.probe_all(both) == {"child": Liveness.ALIVE, "other": Liveness.ALIVE}
+        assert liveness.probe_all(both) == {"child": Health.ALIVE, "other": Health.ALIVE}
         child.kill()
         child.wait(10)
-        assert liveness.probe_all(both) == {"child": Liveness.DEAD, "other": Liveness.ALIVE}
+        assert liveness.probe_all(both) == {"child": Health.GONE, "other": Health.ALIVE}
         other.close()
     finally:
         child.kill()
@@ -106,7 +106,7 @@ def test_the_listener_of_a_killed_process_is_dead_at_once() -> None:
 
 @pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:notaport", "[::1"])
 def test_a_malformed_address_decides_nothing(address: str) -> None:
-    assert liveness.probe(address, timeout=0.2) is Liveness.UNKNOWN
+    assert liveness.probe(address, timeout=0.2) is Health.UNKNOWN
 
 
 def test_no_answer_in_time_decides_nothing() -> None:
@@ -122,7 +122,7 @@ def test_no_answer_in_time_decides_nothing() -> None:
             for client in held:
                 client.setblocking(False)
                 client.connect_ex(("127.0.0.1", port))
-            assert liveness.probe(f"127.0.0.1:{port}", timeout=0.3) is Liveness.UNKNOWN
+            assert liveness.probe(f"127.0.0.1:{port}", timeout=0.3) is Health.UNKNOWN
         finally:
             for client in held:
                 client.close()
@@ -172,7 +172,7 @@ def stop(pid: int) -> None:
 def test_asking_a_listener_gets_its_own_words() -> None:
     listener = liveness.Listener("127.0.0.1")
     try:
-        assert liveness.ask(listener.address) == liveness.Answer(Liveness.ALIVE, {"v": 1})
+        assert liveness.ask(listener.address) == liveness.Answer(Health.ALIVE, {"v": 1})
         listener.info = {"v": 1, "round": 3}
         assert liveness.ask(listener.address).info == {"v": 1, "round": 3}
     finally:
@@ -182,7 +182,7 @@ def test_asking_a_listener_gets_its_own_words() -> None:
 def test_asking_a_closed_listener_is_dead() -> None:
     listener = liveness.Listener("127.0.0.1")
     listener.close()
-    assert liveness.ask(listener.address, timeout=0.5).liveness is Liveness.DEAD
+    assert liveness.ask(listener.address, timeout=0.5).health is Health.GONE
 
 
 def test_a_listener_that_closes_without_a_word_is_alive() -> None:
@@ -197,22 +197,22 @@ def test_a_listener_that_closes_without_a_word_is_alive() -> None:
         conn, _ = sock.accept()
         conn.close()
         asking.join(10)
-    assert answers == [liveness.Answer(Liveness.ALIVE)]
+    assert answers == [liveness.Answer(Health.ALIVE)]
 
 
 def test_a_frozen_process_is_silent_although_its_kernel_accepts() -> None:
     with listener_process() as (child, address):
-        assert liveness.ask(address) == liveness.Answer(Liveness.ALIVE, {"v": 1, "who": "child"})
+        assert liveness.ask(address) == liveness.Answer(Health.ALIVE, {"v": 1, "who": "child"})
         stop(child.pid)
         started = time.monotonic()
         answer = liveness.ask(address, timeout=0.5)
         elapsed = time.monotonic() - started
-        assert answer == liveness.Answer(Liveness.UNKNOWN)
+        assert answer == liveness.Answer(Health.UNKNOWN)
         assert elapsed < 3.0, f"ask took {elapsed:.2f}s with a 0.5s timeout"
         # The point: a connect alone cannot tell, the frozen peer's kernel completes it.
-        assert liveness.probe(address) is Liveness.ALIVE
+        assert liveness.probe(address) is Health.ALIVE
         os.kill(child.pid, signal.SIGCONT)
-        assert liveness.ask(address, timeout=5.0).liveness is Liveness.ALIVE
+        assert liveness.ask(address, timeout=5.0).health is Health.ALIVE
 
 
 def test_the_watch_names_a_frozen_peer_silent_and_forgets_it_once_it_answers() -> None:
@@ -225,7 +225,7 @@ def test_the_watch_names_a_frozen_peer_silent_and_forgets_it_once_it_answers() -
             stop(child.pid)
             # The live one never: it is named alone.
             wait_until("the frozen peer named silent", lambda: watch.silent() == {"frozen"}, 10)
-            assert watch.dead() == set(), "silent is not dead: its kernel still accepts"
+            assert watch.gone() == set(), "silent is not dead: its kernel still accepts"
             os.kill(child.pid, signal.SIGCONT)
             wait_until("the thawed peer un-named", lambda: not watch.silent(), 10)
             assert watch.answer("live") == {"v": 1}
@@ -244,7 +244,7 @@ def test_the_watch_names_a_peer_that_refuses_at_once() -> None:
             child.kill()
             child.wait(10)
             # Refused is dead, not merely silent: nothing to wait the silence window for.
-            wait_until("the killed peer named dead", lambda: watch.dead() == {"gone"}, 10)
+            wait_until("the killed peer named dead", lambda: watch.gone() == {"gone"}, 10)
             wait_until("the dead peer named silent", lambda: watch.silent() == {"gone"}, 10)
         finally:
             watch.close()
@@ -304,21 +304,24 @@ def test_an_agent_at_a_dead_members_address_and_pid_is_another_member() -> None:
     at the same pid (the node's PID namespace starts pods in the same order): torch's node
     descriptor ``<addr>_<pid>_<local id>`` would take it for the member that left. The agent
     seeds its local ids with a random incarnation, and identities carry it."""
-    from ddpjob_worker.rendezvous import INCARNATION_SHIFT, ident  # noqa: PLC0415
+    from ddpjob_worker.nodes import INCARNATION_SHIFT, NodeRepr, ident  # noqa: PLC0415
 
-    old, new = (f"10.0.0.2_11_{(i << INCARNATION_SHIFT) + 1}" for i in (5, 9))
+    old, new = (NodeRepr(f"10.0.0.2_11_{(i << INCARNATION_SHIFT) + 1}") for i in (5, 9))
     assert (ident(old), ident(new)) == ("10.0.0.2_11_5", "10.0.0.2_11_9")
-    assert ident(f"10.0.0.2_11_{(5 << INCARNATION_SHIFT) + 7}") == ident(old), "a later handler"
-    assert ident("10.0.0.2_11_0") == ident("10.0.0.2_11_3") == "10.0.0.2_11", "plain torchrun"
+    later = NodeRepr(f"10.0.0.2_11_{(5 << INCARNATION_SHIFT) + 7}")
+    assert ident(later) == ident(old), "a later handler"
+    plain = [ident(NodeRepr(name)) for name in ("10.0.0.2_11_0", "10.0.0.2_11_3")]
+    assert plain == ["10.0.0.2_11", "10.0.0.2_11"], "plain torchrun"
     code = (
         "from torch.distributed.elastic.rendezvous.dynamic_rendezvous import "
         "DynamicRendezvousHandler as H\n"
-        "from ddpjob_worker.rendezvous import ident, seed_incarnation\n"
+        "from ddpjob_worker.nodes import ident\n"
+        "from ddpjob_worker.rendezvous import seed_incarnation\n"
         "first = seed_incarnation()\n"
         "assert seed_incarnation() == first, 'seeded once'\n"
         "a, b = (H._node_desc_generator.generate('10.0.0.2') for _ in range(2))\n"
-        "assert a != b and ident(a) == ident(b), (a, b)\n"
-        "print(ident(a).rpartition('_')[2])\n"
+        "assert a != b and ident(repr(a)) == ident(repr(b)), (a, b)\n"
+        "print(ident(repr(a)).rpartition('_')[2])\n"
     )
     runs = [
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -10,7 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpjob_worker import contract
+from ddpjob_worker.nodes import NodeIdent
 from ddpjob_worker.policy import StoreAnswer, best_store, has_quorum, resolve_settings, successor
+
+
+def ids(names: list[str] | set[str]) -> list[NodeIdent]:
+    return [NodeIdent(name) for name in names]
+
+
+def by_id(table: dict[str, int]) -> dict[NodeIdent, int | None]:
+    return {NodeIdent(name): value for name, value in table.items()}
+
 
 BASE = {"a_1": 0, "b_2": 1, "c_3": 2}
 """The last round: three agents (``addr_pid``) with their pod indexes."""
@@ -32,41 +42,41 @@ BASE = {"a_1": 0, "b_2": 1, "c_3": 2}
 def test_a_round_needs_a_strict_majority_of_the_last_round_not_known_gone(
     joined: list[str], gone: list[str], expected: bool
 ) -> None:
-    indexes = {"x_9": 7}
-    assert has_quorum(joined, BASE, gone, indexes) is expected
+    indexes = by_id({"x_9": 7})
+    assert has_quorum(ids(joined), by_id(BASE), ids(gone), indexes) is expected
 
 
 def test_a_pod_replaced_under_its_index_counts_the_old_one_out() -> None:
     """The operator creates pod i again only once the old pod object is gone: the replacement
     joining proves the silent one will never train again."""
-    base = {"a_1": 0, "b_2": 1}
-    assert not has_quorum(["b_2"], base, [], {})  # one of two: a tie
-    assert has_quorum(["b_2", "z_5"], base, [], {"z_5": 0})  # pod 0's replacement
-    assert not has_quorum(["b_2", "z_5"], base, [], {"z_5": 4})  # a scale-up is not
+    base = by_id({"a_1": 0, "b_2": 1})
+    assert not has_quorum(ids(["b_2"]), base, [], {})  # one of two: a tie
+    assert has_quorum(ids(["b_2", "z_5"]), base, [], by_id({"z_5": 0}))  # pod 0's replacement
+    assert not has_quorum(ids(["b_2", "z_5"]), base, [], by_id({"z_5": 4}))  # not a scale-up
 
 
 def test_no_base_no_gate() -> None:
-    assert has_quorum(["a_1"], {}, [], {})
+    assert has_quorum(ids(["a_1"]), {}, [], {})
 
 
 @given(st.lists(st.booleans(), min_size=1, max_size=9), st.integers(min_value=0, max_value=8))
 def test_two_disjoint_sides_never_both_have_a_majority(sides: list[bool], dead: int) -> None:
     """Any split of the base into two sides: at most one of them may complete a round."""
-    base = {f"n_{i}": i for i in range(len(sides))}
-    gone = [f"n_{i}" for i in range(min(dead, len(sides) - 1))]
+    base = by_id({f"n_{i}": i for i in range(len(sides))})
+    gone = ids([f"n_{i}" for i in range(min(dead, len(sides) - 1))])
     left = [node for node, side in zip(base, sides, strict=True) if side and node not in gone]
     right = [node for node, side in zip(base, sides, strict=True) if not side and node not in gone]
     assert not (has_quorum(left, base, gone, {}) and has_quorum(right, base, gone, {}))
 
 
 def test_the_successor_is_the_lowest_ranked_member_left() -> None:
-    ranks = {"a_1": 0, "b_2": 1, "c_3": 2}
-    assert successor(ranks, excluded={"a_1"}) == "b_2"
-    assert successor(ranks, excluded={"a_1", "b_2"}) == "c_3"
+    ranks = {NodeIdent(name): rank for name, rank in {"a_1": 0, "b_2": 1, "c_3": 2}.items()}
+    assert successor(ranks, excluded=ids(["a_1"])) == "b_2"
+    assert successor(ranks, excluded=ids(["a_1", "b_2"])) == "c_3"
     assert successor(ranks, excluded=set(ranks)) is None
     # Every survivor computes the same, whatever order it sees the members in.
     for order in itertools.permutations(ranks.items()):
-        assert successor(dict(order), excluded={"a_1"}) == "b_2"
+        assert successor(dict(order), excluded=ids(["a_1"])) == "b_2"
 
 
 def test_an_established_store_wins_then_the_newest_and_torn_answers_are_skipped() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ddpjob_worker import liveness
-from ddpjob_worker.liveness import Liveness
+from ddpjob_worker.liveness import Health
 
 
 @pytest.fixture
@@ -58,10 +58,10 @@ def test_a_port_that_stays_closed_is_dead_after_a_second_refusal(
     _, port = closed_port
     connects = Connects(monkeypatch)
     started = time.monotonic()
-    assert liveness.probe(f"127.0.0.1:{port}") is Liveness.DEAD
+    assert liveness.probe(f"127.0.0.1:{port}") is Health.GONE
     assert connects.refused == 2
     assert time.monotonic() - started >= liveness.CONFIRM_AFTER_SECONDS
-    assert liveness.ask(f"127.0.0.1:{port}").liveness is Liveness.DEAD
+    assert liveness.ask(f"127.0.0.1:{port}").health is Health.GONE
     assert connects.refused == 4
 
 
@@ -79,7 +79,7 @@ def test_a_port_that_refuses_once_then_listens_is_alive(
             sock.listen(8)
 
     connects.on_refused = listen_50ms_later
-    assert liveness.probe(f"127.0.0.1:{port}") is Liveness.ALIVE
+    assert liveness.probe(f"127.0.0.1:{port}") is Health.ALIVE
     assert connects.refused == 1
     assert len(connects.tried) == 2
 
@@ -101,7 +101,7 @@ def test_an_agent_that_refuses_once_then_answers_is_heard(
     connects.on_refused = answer_50ms_later
     try:
         answer = liveness.ask(f"127.0.0.1:{port}")
-        assert answer == liveness.Answer(Liveness.ALIVE, {"v": 1, "who": "back"})
+        assert answer == liveness.Answer(Health.ALIVE, {"v": 1, "who": "back"})
     finally:
         for listener in made:
             listener.close()
@@ -121,9 +121,9 @@ def test_only_a_refusal_says_the_peer_is_gone(code: int, monkeypatch: pytest.Mon
             raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(socket, "socket", Failing)
-    expected = Liveness.DEAD if code == errno.ECONNREFUSED else Liveness.UNKNOWN
+    expected = Health.GONE if code == errno.ECONNREFUSED else Health.UNKNOWN
     assert liveness.probe("127.0.0.1:9", timeout=0.5) is expected
-    assert liveness.ask("127.0.0.1:9", timeout=0.5).liveness is expected
+    assert liveness.ask("127.0.0.1:9", timeout=0.5).health is expected
     if code == errno.ECONNREFUSED:
         assert len(attempts) == 4  # each verdict confirmed once
 
@@ -139,7 +139,7 @@ def test_a_refusal_at_one_address_of_a_name_is_not_death(monkeypatch: pytest.Mon
     ]
     monkeypatch.setattr(socket, "getaddrinfo", lambda *_args, **_kwargs: both)
     try:
-        assert liveness.probe(f"both.test:{port}") is Liveness.ALIVE
+        assert liveness.probe(f"both.test:{port}") is Health.ALIVE
         assert liveness.ask(f"both.test:{port}").info == {"v": 1}
     finally:
         listener.close()
@@ -153,13 +153,13 @@ def test_a_lookup_that_hangs_decides_nothing_within_the_timeout(
         raise socket.gaierror(socket.EAI_AGAIN, "resolver timed out")
 
     monkeypatch.setattr(socket, "getaddrinfo", hanging)
-    verdicts: list[Callable[[], Liveness]] = [
+    verdicts: list[Callable[[], Health]] = [
         lambda: liveness.probe("slow-resolver.test:1234", timeout=0.5),
-        lambda: liveness.ask("slow-resolver.test:1234", timeout=0.5).liveness,
+        lambda: liveness.ask("slow-resolver.test:1234", timeout=0.5).health,
     ]
     for verdict in verdicts:
         started = time.monotonic()
-        assert verdict() is Liveness.UNKNOWN
+        assert verdict() is Health.UNKNOWN
         assert time.monotonic() - started < 1.5
 
 
@@ -182,11 +182,11 @@ def test_a_listener_at_a_name_binds_its_address_and_answers_there() -> None:
     try:
         port = int(listener.address.rpartition(":")[2])
         assert listener.address == f"localhost:{port}"
-        assert liveness.probe(listener.address) is Liveness.ALIVE
+        assert liveness.probe(listener.address) is Health.ALIVE
         assert liveness.ask(listener.address).info == {"v": 1}
     finally:
         listener.close()
-    assert liveness.probe(listener.address) is Liveness.DEAD
+    assert liveness.probe(listener.address) is Health.GONE
 
 
 def test_an_address_not_of_this_machine_listens_everywhere_with_a_warning(
@@ -266,5 +266,5 @@ def test_many_unanswered_peers_cost_one_timeout() -> None:
         finally:
             for client in held:
                 client.close()
-    assert set(answers.values()) == {Liveness.UNKNOWN}
+    assert set(answers.values()) == {Health.UNKNOWN}
     assert took < 1.9

@@ -18,10 +18,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+from ddpjob_worker import watch
+from ddpjob_worker.liveness import Health
+from ddpjob_worker.nodes import NodeRepr
 from ddpjob_worker.rendezvous import (
     END_FAILURE,
     END_LEAVE,
-    FastRendezvous,
+    RendezvousAdapter,
     _fresh_sync,
     is_jobs_store,
 )
@@ -74,7 +77,7 @@ class Job:
             join_timeout=20,
         )
         self.handler = rdzv_registry.get_rendezvous_handler(params)
-        fast = FastRendezvous.attach(self.handler, seal)
+        fast = RendezvousAdapter.attach(self.handler, seal)
         assert fast is not None
         self.fast = fast
         self.run_id = run_id
@@ -153,14 +156,14 @@ def test_without_the_key_torch_unpickles_whatever_the_store_holds(
 def test_forged_and_outside_keys_do_not_steer_the_round(job: Job, port: int) -> None:
     job.join()
     run, rnd = job.run_id, job.fast.round
-    node = repr(job.fast.node)
+    node = job.fast.me
     store = outsider(port)
     over = f"ddpjob.{run}.round.{rnd}.over"
     store.append(over, f"{END_FAILURE};{END_FAILURE}@{node};")  # unsealed: anyone
     store.append(f"ddpjob.{run}.left", f"{node};")
     store.append(f"ddpjob.{run}.round.{rnd}.silent", f"{node};")
     assert job.fast.round_over() == frozenset()
-    assert job.fast.left() == set() and job.fast.silent() == set()
+    assert job.fast.keys.left() == set() and job.fast.silent() == set()
     # Sealed, but not by a member of the round: a round's end is its members' to say.
     store.append(over, KEY.items(over, [f"{END_FAILURE}@10.9.9.9_1_1"]))
     assert job.fast.round_over() == frozenset()
@@ -181,7 +184,7 @@ def test_a_store_is_the_jobs_only_once_its_host_said_so_with_the_key(port: int) 
     other = Job(port, uuid.uuid4().hex, KEY, host=False)  # another run id on the same store
     try:
         assert not is_jobs_store(host.handler, KEY, timeout=0.3), "nobody said so yet"
-        host.fast.mark_hosted()
+        host.fast.keys.mark_hosted()
         assert is_jobs_store(host.handler, KEY, timeout=0.3)
         assert not is_jobs_store(other.handler, KEY, timeout=0.3), "another job's store"
         outsider(port).set(f"ddpjob.{other.run_id}.hosted", "forged")
@@ -220,13 +223,13 @@ def test_naming_the_gone_takes_the_same_store_requests_for_any_number_of_members
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc  # noqa: PLC0415
 
     job.join()
-    nodes = [_NodeDesc(f"127.0.0.{i + 2}", 100 + i, 1) for i in range(members)]
-    publisher = job.fast
+    nodes = [NodeRepr(repr(_NodeDesc(f"127.0.0.{i + 2}", 100 + i, 1))) for i in range(members)]
+    keys = job.fast.keys
     for node in nodes:  # each published its address (refused: nobody listens there)
         name = f"ddpjob.{job.run_id}.alive"
-        publisher._store.append(name, KEY.items(name, [f"{node!r}=127.0.0.1:1"]))
-    counting = Counting(job.fast._store)
-    job.fast._store = counting
-    gone, unsure = job.fast.gone(nodes, timeout=0.5)
-    assert gone == set(nodes) and unsure == set()
+        keys.store.append(name, KEY.items(name, [f"{node}=127.0.0.1:1"]))
+    counting = Counting(keys.store)
+    keys.store = counting
+    health = watch.judge(keys, nodes, timeout=0.5)
+    assert health == dict.fromkeys(nodes, Health.GONE)
     assert counting.calls <= 8, counting.calls

@@ -69,12 +69,15 @@ from torch.distributed.elastic.utils.store import (  # the barrier's check-in, t
 )
 from torch.distributed.launcher.api import LaunchConfig
 
-from ddpjob_worker import liveness, signals, warm, workers
+from ddpjob_worker import liveness, signals, warm, watch, workers
 from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError
 from ddpjob_worker.exits import ExitClock
+from ddpjob_worker.keys import HOSTED
 from ddpjob_worker.ledger import RestartLedger
+from ddpjob_worker.liveness import Health
+from ddpjob_worker.nodes import NodeIdent, NodeRepr, ident
 from ddpjob_worker.policy import (
     FAILURE_REPORTS_KEY,
     FAILURE_SETTLE_SECONDS,
@@ -98,12 +101,12 @@ from ddpjob_worker.policy import (
 from ddpjob_worker.rendezvous import (
     END_DROPPED,
     END_FAILURE,
+    END_HANDOVER,
     END_JOIN,
     END_LEAVE,
-    HOSTED,
-    FastRendezvous,
-    ident,
+    RendezvousAdapter,
     is_jobs_store,
+    round_members,
     stop_heartbeats,
     store_params,
 )
@@ -117,13 +120,6 @@ _Look = tuple["concurrent.futures.Future[StoreAnswer | None]", str | None]
 
 HOST_LOOK_SECONDS = 60.0
 """How long the store's host waits on a look at its own store before it takes it as broken."""
-WATCH_ALL_UP_TO = 16
-"""Rounds of up to this many other members: every agent asks every other one. In larger rounds
-each asks its next :data:`WATCH_NEIGHBOURS` in node order (a ring, so every member is asked by
-that many peers) and the store's host, which keeps the questions per agent constant."""
-WATCH_NEIGHBOURS = 8
-END_HANDOVER = "handover"
-"""The store's host leaves on SIGTERM: the others carry on around a new host at once."""
 LEAVE_BOUND_SECONDS = 1.5
 """How long leaving the rendezvous may hold up a SIGTERM on its way to the workers (a store
 host that does not answer would otherwise hold it up forever)."""
@@ -187,17 +183,17 @@ class DdpjobAgent(LocalElasticAgent):
         self._store_rounds = 0  # rounds completed on it
         self._host_gone = False  # the lost host is known gone (it handed over)
         self._host_silent = False  # the lost host stopped answering
-        self._addresses: dict[str, str] = {}  # the last round's liveness addresses (ident)
-        self._base: dict[str, int | None] = {}  # its members' pod indexes (ident)
+        self._addresses: dict[NodeIdent, str] = {}  # the last round's liveness addresses
+        self._base: dict[NodeIdent, int | None] = {}  # its members' pod indexes
         self._base_id: str | None = None
-        self._silent_seen: set[str] = set()  # members found silent (ident) since it formed
-        self._watch: liveness.PeerWatch | None = None
-        self._host_node: str | None = None  # the store host's node (repr), as it published
+        self._silent_seen: set[NodeIdent] = set()  # members found silent since it formed
+        self._watch: liveness.PeerWatch[NodeRepr] | None = None
+        self._host_node: NodeRepr | None = None  # the store host's node, as it published
         self._host_address: str | None = None  # its liveness address
-        self._dropped: frozenset[str] = frozenset()  # silent peers dropped at this tick
+        self._dropped: frozenset[NodeRepr] = frozenset()  # silent peers dropped at this tick
         self._asker: concurrent.futures.ThreadPoolExecutor | None = None
         self._superseding: _Look | None = None
-        self._fast = self._attach(spec.rdzv_handler)
+        self._rdzv = self._attach(spec.rdzv_handler)
         self._warm = _warm_pool(spec, settings, early_spares)
         self._reaper = workers.Reaper(self._known_pids)
         self.gave_up = False
@@ -207,28 +203,27 @@ class DdpjobAgent(LocalElasticAgent):
         """The job's store key (``DDPJOB_STORE_KEY``), if it has one."""
         return Seal.from_env()
 
-    def _attach(self, handler: RendezvousHandler) -> FastRendezvous | None:
+    def _attach(self, handler: RendezvousHandler) -> RendezvousAdapter | None:
         """Our rendezvous additions (:mod:`ddpjob_worker.rendezvous`) on ``handler``, and our
         liveness socket's address published in its store."""
-        fast = FastRendezvous.attach(handler, self._seal)
-        if fast is None:
+        rdzv = RendezvousAdapter.attach(handler, self._seal)
+        if rdzv is None:
             return None
-        fast.fenced = self._settings.failover
-        fast.while_waiting = self._check_superseded
+        rdzv.fenced = self._settings.failover
+        rdzv.while_waiting = self._check_superseded
         if self._liveness is None:
-            self._liveness = liveness.listen(fast.node.addr, self._settings.directory_port)
+            self._liveness = liveness.listen(rdzv.address, self._settings.directory_port)
         try:
             if self._hosting:
-                fast.mark_hosted()
-                fast.set_gen(self._gen)
+                rdzv.keys.mark_hosted()
             if self._liveness is not None:
-                fast.publish(
+                rdzv.keys.publish(
                     self._liveness.address, host=self._hosting, index=self._settings.pod_index
                 )
         except (RuntimeError, OSError) as exc:  # store trouble: peers use heartbeats
             logger.warning("could not publish our liveness address: %s", exc)
         self._say()
-        return fast
+        return rdzv
 
     def _say(self, *, orphan: bool = False) -> None:
         """What our liveness socket answers: which store we use (none while we look for
@@ -380,10 +375,10 @@ class DdpjobAgent(LocalElasticAgent):
 
     def _announce_end(self, reason: str, store_lost: bool) -> None:
         """On our own evidence (not because a peer announced it), tell the round it is over."""
-        if self._fast is None or store_lost or self._round_over:
+        if self._rdzv is None or store_lost or self._round_over:
             return
         try:
-            self._fast.announce_end(reason)
+            self._rdzv.announce_end(reason)
         except (RuntimeError, OSError) as exc:  # peers notice through their collective
             logger.warning("could not announce the end of the round: %s", exc)
 
@@ -526,14 +521,14 @@ class DdpjobAgent(LocalElasticAgent):
 
     def _member_gone(self) -> bool:
         """Whether a member of our round left, was found silent, or no longer listens."""
-        fast = self._fast
-        if fast is None:
+        rdzv = self._rdzv
+        if rdzv is None:
             return False
         try:
-            gone, _ = fast.gone(fast.members)
+            health = watch.judge(rdzv.keys, rdzv.members, silent=rdzv.silent())
         except (RuntimeError, OSError):
             return False
-        return bool(gone)
+        return any(verdict in (Health.GONE, Health.SILENT) for verdict in health.values())
 
     def _settle(self, recovered: bool) -> None:
         """Charge the failure we restarted for, or not, now that the next round has formed."""
@@ -618,7 +613,7 @@ class DdpjobAgent(LocalElasticAgent):
         at the peers' answers (:class:`ddpjob_worker.liveness.PeerWatch`)."""
         self._dropped = frozenset()
         silent = self._watch.silent() if self._watch is not None else set()
-        dead = self._watch.dead() if self._watch is not None else set()
+        dead = self._watch.gone() if self._watch is not None else set()
         silent -= dead
         self._silent_seen |= {ident(node) for node in silent | dead}
         if self._host_node in dead and not self._hosting:
@@ -634,10 +629,10 @@ class DdpjobAgent(LocalElasticAgent):
             self._host_silent = True
             return 0, True
         handler = self._worker_group.spec.rdzv_handler
-        fast = self._fast
+        rdzv = self._rdzv
 
         def look() -> tuple[int, frozenset[str]]:
-            return handler.num_nodes_waiting(), frozenset() if fast is None else fast.round_over()
+            return handler.num_nodes_waiting(), frozenset() if rdzv is None else rdzv.round_over()
 
         try:
             waiting, self._round_over = self._bounded(look, "look at the rendezvous store")
@@ -700,13 +695,13 @@ class DdpjobAgent(LocalElasticAgent):
             ),
         )
 
-    def _drop_silent(self, silent: set[str], dead: set[str]) -> None:
+    def _drop_silent(self, silent: set[NodeRepr], dead: set[NodeRepr]) -> None:
         """Re-form the round without members that stopped answering (``silent``) or whose
         address refuses (``dead``): name them in the round (the others read it when they
         rejoin), end the round, and expire their heartbeats. Only the dead ones are known gone
         (a silent one may be alive behind a partition: it still counts for a majority)."""
-        fast = self._fast
-        if fast is None:
+        rdzv = self._rdzv
+        if rdzv is None:
             return
         self._dropped = frozenset(silent | dead)
         if silent:
@@ -719,14 +714,14 @@ class DdpjobAgent(LocalElasticAgent):
             )
         if dead:
             logger.warning("%s refused: re-forming without it", ", ".join(sorted(dead)))
-        nodes = [node for node in fast.members if repr(node) in silent | dead]
+        nodes = rdzv.members & (silent | dead)
 
         def drop() -> None:
-            fast.announce_silent(sorted(silent))
-            if fast.fenced:
-                fast.confirm_gone(ident(node) for node in dead)
-            fast.announce_end(END_FAILURE)
-            fast.mark_dead(nodes)
+            rdzv.announce_silent(sorted(silent))
+            if rdzv.fenced:
+                rdzv.keys.confirm_gone(ident(node) for node in dead)
+            rdzv.announce_end(END_FAILURE)
+            rdzv.expire(nodes)
 
         try:
             self._bounded(drop, "drop silent members")
@@ -740,27 +735,25 @@ class DdpjobAgent(LocalElasticAgent):
     def _watch_round(self) -> None:
         """Start asking the members of the round just joined whether they still answer."""
         self._close_watch()
-        fast = self._fast
-        if fast is None:
+        rdzv = self._rdzv
+        if rdzv is None:
             return
-        others = [node for node in fast.members if node != fast.node]
+        others = rdzv.members - {rdzv.me}
         try:
-            addresses = fast.addresses(others)
-            self._host_node = fast.host()
+            addresses = rdzv.keys.addresses(others)
+            self._host_node = rdzv.keys.host()
             if self._settings.failover:
-                self._base = fast.indexes(ident(node) for node in fast.members)
+                self._base = rdzv.keys.indexes(ident(node) for node in rdzv.members)
         except (RuntimeError, OSError) as exc:  # store trouble: the poll finds out
             logger.warning("could not read the members' liveness addresses: %s", exc)
             return
-        self._base_id = f"{self._gen}.{fast.round}"
+        self._base_id = f"{self._gen}.{rdzv.round}"
         self._silent_seen = set()
         self._addresses = {ident(node): address for node, address in addresses.items()}
         if self._liveness is not None:
-            self._addresses[ident(fast.node)] = self._liveness.address
-        self._host_address = addresses.get(self._host_node or "")
-        self._watch = liveness.PeerWatch(
-            _watched(addresses, me=repr(fast.node), host=self._host_node)
-        )
+            self._addresses[ident(rdzv.me)] = self._liveness.address
+        self._host_address = None if self._host_node is None else addresses.get(self._host_node)
+        self._watch = liveness.PeerWatch(watch.watched(addresses, me=rdzv.me, host=self._host_node))
 
     def _close_watch(self) -> None:
         if self._watch is not None:
@@ -787,27 +780,31 @@ class DdpjobAgent(LocalElasticAgent):
         super()._shutdown(death_sig, timeout)
 
     def _leave(self) -> None:
-        fast = self._fast
-        if fast is None:
+        rdzv = self._rdzv
+        if rdzv is None:
             return
         if self._hosting:
             if self._settings.failover:
-                self._hand_over(fast)
+                self._hand_over(rdzv)
             return
         self._close_watch()
         try:
-            call_bounded(fast.leave, "leave the rendezvous", limit=LEAVE_BOUND_SECONDS)
+            call_bounded(
+                functools.partial(rdzv.leave, LEAVE_BOUND_SECONDS),
+                "leave the rendezvous",
+                limit=LEAVE_BOUND_SECONDS,
+            )
         except Exception as exc:  # best effort: peers fall back on our heartbeats lapsing
             logger.warning("could not leave the rendezvous: %s", exc)
 
-    def _hand_over(self, fast: FastRendezvous) -> None:
+    def _hand_over(self, rdzv: RendezvousAdapter) -> None:
         """As the store's host, leave: the others carry on around a new host at once (the
         store stays up until we exit, but nobody waits for it)."""
         self._close_watch()
 
         def hand_over() -> None:
-            fast.confirm_gone([ident(fast.node)])
-            fast.announce_end(END_LEAVE, END_HANDOVER)
+            rdzv.keys.confirm_gone([ident(rdzv.me)])
+            rdzv.announce_end(END_LEAVE, END_HANDOVER)
 
         try:
             call_bounded(hand_over, "hand the store over", limit=LEAVE_BOUND_SECONDS)
@@ -866,8 +863,8 @@ class DdpjobAgent(LocalElasticAgent):
         self._after_round(worker_group, recovered)
 
     def _joined(self, recovered: bool, left: tuple[Any, int | None]) -> None:
-        if self._fast is not None:
-            self._fast.joined(self._gen)
+        if self._rdzv is not None:
+            self._rdzv.joined(self._gen)
             self._store_rounds += 1
             self._say()
             self._watch_round()
@@ -883,7 +880,7 @@ class DdpjobAgent(LocalElasticAgent):
         new_nodes = worker_group.group_world_size
         if new_nodes is None:
             raise RuntimeError("rendezvous completed without a world size")
-        members = _round_members(worker_group.spec.rdzv_handler)
+        members = round_members(worker_group.spec.rdzv_handler)
         self._settle(recovered)
         previous = self._ledger.previous_nodes
         if self._ledger.round_formed(new_nodes, members, recovered=recovered):
@@ -910,31 +907,30 @@ class DdpjobAgent(LocalElasticAgent):
         to lapse), and the round completes once the others are in (no last call). If any member
         cannot be judged (no answer in time), torch's heartbeats and last call decide.
         """
-        fast = self._fast
-        if fast is None or not fast.members or self._store_lost:
+        rdzv = self._rdzv
+        if rdzv is None or not rdzv.members or self._store_lost:
             return
         try:
-            gone, unsure = fast.gone(fast.members)
-            fast.mark_dead(gone)
-            if fast.fenced:
-                # Dead or left, not merely silent: out of the count a majority is taken of.
-                silent = fast.silent()
-                fast.confirm_gone(ident(node) for node in gone if repr(node) not in silent)
+            health = watch.judge(rdzv.keys, rdzv.members, silent=rdzv.silent())
+            gone = {node for node, verdict in health.items() if verdict is Health.GONE}
+            out = gone | {node for node, verdict in health.items() if verdict is Health.SILENT}
+            rdzv.expire(out)
+            if rdzv.fenced:
+                # Gone, not merely silent: out of the count a majority is taken of.
+                rdzv.keys.confirm_gone(ident(node) for node in gone)
         except (RuntimeError, OSError) as exc:  # store trouble: torch's timings apply
             logger.warning("could not check which peers are alive: %s", exc)
-            fast.expect(None)
+            rdzv.expect(None)
             return
-        if gone:
-            logger.info("gone since the last round: %s", ", ".join(sorted(map(repr, gone))))
+        if out:
+            logger.info("gone since the last round: %s", ", ".join(sorted(out)))
+        unsure = sorted(node for node, verdict in health.items() if verdict is Health.UNKNOWN)
         if unsure:
             # Maybe a lost machine, maybe a dropped probe: torch's heartbeats and last call.
-            logger.info(
-                "no liveness answer (not taken as gone) from %s",
-                ", ".join(sorted(map(repr, unsure))),
-            )
-            fast.expect(None)
+            logger.info("no liveness answer (not taken as gone) from %s", ", ".join(unsure))
+            rdzv.expect(None)
             return
-        fast.expect(fast.members - gone)
+        rdzv.expect(ident(node) for node in rdzv.members - out)
 
     def _recover_store(self, deadline: float) -> None:
         """Carry on around a new store host (:meth:`_fail_over`), or wait for the old one to
@@ -1021,9 +1017,9 @@ class DdpjobAgent(LocalElasticAgent):
         self._store_rounds = 0
         self._host_gone = self._host_silent = False
         self._host_node = self._host_address = None  # known again once a round has formed
-        self._fast = self._attach(handler)
-        if self._fast is not None:
-            self._fast.skip_join_jitter()
+        self._rdzv = self._attach(handler)
+        if self._rdzv is not None:
+            self._rdzv.skip_join_jitter()
 
     def _fail_over(self, deadline: float) -> bool:
         """Carry on around a new store host, if the old one is gone or silent: the
@@ -1035,11 +1031,11 @@ class DdpjobAgent(LocalElasticAgent):
         the last round's members (:func:`ddpjob_worker.policy.has_quorum`), so if the old host
         is alive behind a partition, at most one side trains.
         """
-        fast = self._fast
-        if fast is None or not fast.ranks or self._host_node is None:
+        rdzv = self._rdzv
+        if rdzv is None or not rdzv.ranks or self._host_node is None:
             return False
-        ranks = {ident(node): rank for node, rank in fast.ranks.items()}
-        me, host = ident(fast.node), ident(self._host_node)
+        ranks = {ident(node): rank for node, rank in rdzv.ranks.items()}
+        me, host = ident(rdzv.me), ident(self._host_node)
         if self._host_gone:
             verdict = "gone"
         elif self._host_silent:
@@ -1055,7 +1051,7 @@ class DdpjobAgent(LocalElasticAgent):
         )
         excluded = {host} | self._silent_seen
         confirmed = {host} if verdict == "gone" else set()
-        unknown_since: dict[str, float] = {}
+        unknown_since: dict[NodeIdent, float] = {}
         started = time.monotonic()
         while time.monotonic() < deadline:
             chosen = successor(ranks, excluded=excluded)
@@ -1066,11 +1062,11 @@ class DdpjobAgent(LocalElasticAgent):
                 self._host_next(ranks, confirmed, excluded)
                 return True
             answer = liveness.ask(self._addresses.get(chosen, ""))
-            if answer.liveness is liveness.Liveness.DEAD:
+            if answer.health is liveness.Health.GONE:
                 excluded.add(chosen)
                 confirmed.add(chosen)
                 continue
-            if answer.liveness is liveness.Liveness.ALIVE:
+            if answer.health is liveness.Health.ALIVE:
                 unknown_since.pop(chosen, None)
                 found = best_store([answer.info or {}], self._params.run_id)
                 if found is not None and found.gen > self._gen:
@@ -1095,18 +1091,20 @@ class DdpjobAgent(LocalElasticAgent):
         if self._host_address is None:
             return "silent"
         answer = liveness.ask(self._host_address)
-        if answer.liveness is liveness.Liveness.DEAD:
+        if answer.health is liveness.Health.GONE:
             return "gone"
-        if answer.liveness is liveness.Liveness.UNKNOWN:
+        if answer.health is liveness.Health.UNKNOWN:
             return "silent"
         return "alive"
 
-    def _host_next(self, ranks: dict[str, int], confirmed: set[str], excluded: set[str]) -> None:
+    def _host_next(
+        self, ranks: dict[NodeIdent, int], confirmed: set[NodeIdent], excluded: set[NodeIdent]
+    ) -> None:
         """Host the store's next generation at our own address, carrying the last round's
         members over as the base of its first round's majority."""
-        fast = self._fast
-        assert fast is not None
-        addr = fast.node.addr
+        rdzv = self._rdzv
+        assert rdzv is not None
+        addr = rdzv.address
         _, configured = split_endpoint(self._params.endpoint)
         handler: RendezvousHandler | None = None
         for port in dict.fromkeys((configured, 0)):
@@ -1129,18 +1127,20 @@ class DdpjobAgent(LocalElasticAgent):
         self._store_address = None  # not named to anyone before the base is in it
         base_id = self._base_id or f"{self._gen - 1}.0"
         self._install(handler)
-        new = self._fast
+        new = self._rdzv
         if new is not None:
-            new.record_base(base_id, self._base or dict.fromkeys(ranks))
-            new.confirm_gone(confirmed, base_id)
-            new.expect_idents(frozenset(ranks) - excluded)
+            new.keys.record_base(base_id, self._base or dict.fromkeys(ranks))
+            new.keys.confirm_gone(confirmed, base_id)
+            new.expect(frozenset(ranks) - excluded)
         self._store_address = f"{addr}:{port}"
         self._say()
         logger.warning(
             "hosting the rendezvous store, generation %d, at %s", self._gen, self._store_address
         )
 
-    def _move_to(self, found: StoreAnswer, deadline: float, expect: frozenset[str] | None) -> None:
+    def _move_to(
+        self, found: StoreAnswer, deadline: float, expect: frozenset[NodeIdent] | None
+    ) -> None:
         """Join the store another agent named (its generation is newer than ours)."""
         params = store_params(self._params, found.store, is_host=False)
         handler = self._connect(
@@ -1154,8 +1154,8 @@ class DdpjobAgent(LocalElasticAgent):
         self._gen = found.gen
         self._store_address = found.store
         self._install(handler)
-        if self._fast is not None and expect is not None:
-            self._fast.expect_idents(expect)
+        if self._rdzv is not None and expect is not None:
+            self._rdzv.expect(expect)
         logger.info("joined the rendezvous store, generation %d, at %s", found.gen, found.store)
 
     def _check_superseded(self) -> None:
@@ -1183,7 +1183,7 @@ class DdpjobAgent(LocalElasticAgent):
         majority of the last round's members name it. Never a store that is lost, as a peer
         that has not noticed yet may still name it (alone)."""
         try:
-            me = ident(self._fast.node) if self._fast is not None else ""
+            me = ident(self._rdzv.me) if self._rdzv is not None else None
             peers = {node: address for node, address in self._addresses.items() if node != me}
             answers = [
                 answer.info
@@ -1231,7 +1231,7 @@ class DdpjobAgent(LocalElasticAgent):
         if old_ip not in now:
             return False
         answer = liveness.ask(address)
-        if answer.liveness is liveness.Liveness.UNKNOWN:
+        if answer.health is liveness.Health.UNKNOWN:
             logger.info("the store's old host at %s is still silent", address)
             return True
         return False
@@ -1248,19 +1248,6 @@ class DdpjobAgent(LocalElasticAgent):
             membership_restarts=budget.membership_restarts,
             **changes,
         )
-
-
-def _round_members(handler: RendezvousHandler) -> frozenset[str] | None:
-    """The agents (address, pid, local id) of the round just joined, if the handler says.
-
-    torch's dynamic rendezvous keeps them in its state holder; there is no public API for it,
-    so any other handler (or a future torch) falls back to comparing node counts.
-    """
-    state = getattr(getattr(handler, "_state_holder", None), "state", None)
-    participants = getattr(state, "participants", None)
-    if not isinstance(participants, dict):
-        return None
-    return frozenset(repr(node) for node in participants)
 
 
 class SupersededError(RuntimeError):
@@ -1291,18 +1278,6 @@ def _pause(seconds: float) -> None:
     swallowed (:func:`ddpjob_worker.signals.check`)."""
     time.sleep(seconds)
     signals.check()
-
-
-def _watched(addresses: dict[str, str], *, me: str, host: str | None) -> dict[str, str]:
-    """Which peers one agent asks (see :data:`WATCH_ALL_UP_TO`)."""
-    if len(addresses) <= WATCH_ALL_UP_TO:
-        return dict(addresses)
-    ring = sorted([*addresses, me])
-    at = ring.index(me)
-    chosen = {ring[(at + step) % len(ring)] for step in range(1, WATCH_NEIGHBOURS + 1)}
-    if host in addresses:
-        chosen.add(host)
-    return {node: addresses[node] for node in sorted(chosen)}
 
 
 NO_ERROR_FILE = "<N/A>"

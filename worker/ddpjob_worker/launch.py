@@ -31,6 +31,7 @@ from ddpjob_worker import liveness, signals, warm
 from ddpjob_worker.agent import DdpjobAgent
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
+from ddpjob_worker.keys import HOSTED
 from ddpjob_worker.policy import (
     HOST_LINGER_SECONDS,
     Settings,
@@ -40,7 +41,6 @@ from ddpjob_worker.policy import (
     static_master,
 )
 from ddpjob_worker.rendezvous import (
-    HOSTED,
     is_jobs_store,
     seed_incarnation,
     stop_heartbeats,

@@ -8,14 +8,14 @@ heartbeats say *who*. Each agent therefore keeps a listening TCP socket open for
 and publishes its address in the rendezvous store. A peer that restarts after a failure connects
 to every other member of the round it leaves:
 
-* accepted: :attr:`Liveness.ALIVE`. The kernel completes the handshake from the listen backlog,
+* accepted: :attr:`Health.ALIVE`. The kernel completes the handshake from the listen backlog,
   so a busy agent (or a machine with every core loaded) still answers at once;
-* refused, and refused again :data:`CONFIRM_AFTER_SECONDS` later: :attr:`Liveness.DEAD`. The
+* refused, and refused again :data:`CONFIRM_AFTER_SECONDS` later: :attr:`Health.GONE`. The
   address is up and nobody listens there any more (the agent's process is gone). One refusal
   is not enough: a packet filter that rejects for a moment, or a listener caught while it is
   made again, refuses once and accepts the next time;
 * no answer within the timeout (the name lookup included), or anything else:
-  :attr:`Liveness.UNKNOWN`. The machine may be down, or a firewall may drop the packets while
+  :attr:`Health.UNKNOWN`. The machine may be down, or a firewall may drop the packets while
   the peer is fine; only the heartbeats can tell, so nothing is decided on it.
 
 A connect alone cannot tell a *silent* peer: a frozen process (SIGSTOP, a hung driver, a machine
@@ -43,8 +43,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar
 
 logger = logging.getLogger("ddpjob_worker.liveness")
 
@@ -90,10 +90,26 @@ _Resolved = list[tuple[socket.AddressFamily, tuple[Any, ...]]]
 """Address families and socket addresses (port 0) of a host."""
 
 
-class Liveness(enum.Enum):
+class Health(enum.Enum):
+    """A peer's health: the agent's one vocabulary for it (docs/agent.md, "Glossary").
+
+    One question (:func:`ask`, :func:`probe`) answers ALIVE, GONE or UNKNOWN; a peer that stays
+    UNKNOWN for :data:`SILENT_AFTER_SECONDS` is SILENT (:class:`PeerWatch`). A member that is
+    SILENT or GONE is out of the round; only a GONE one is out of the majority a round needs
+    (a silent one may be alive behind a partition).
+    """
+
     ALIVE = "alive"
-    DEAD = "dead"
+    """Its agent answered."""
     UNKNOWN = "unknown"
+    """One question went unanswered (no handshake, or no answer line in time): nothing is
+    judged on it."""
+    SILENT = "silent"
+    """Unanswered for :data:`SILENT_AFTER_SECONDS`: frozen, partitioned, or its machine lost
+    without a reset."""
+    GONE = "gone"
+    """Its agent is gone for good: its address refused twice (the process is dead), it left on
+    SIGTERM or handed the store over, or a pod of its index replaced it."""
 
 
 def _addresses_of(host: str, flags: int = 0) -> _Resolved | None:
@@ -329,7 +345,7 @@ class _Dialled:
     reading the answer."""
 
     sock: socket.socket | None
-    liveness: Liveness
+    health: Health
     deadline: float
 
 
@@ -342,12 +358,12 @@ def _dial(address: str, timeout: float) -> _Dialled:
     try:
         port = int(port_text)
     except ValueError:  # not an address we published: nothing to judge by
-        return _Dialled(None, Liveness.UNKNOWN, deadline)
+        return _Dialled(None, Health.UNKNOWN, deadline)
     if not host or not 0 < port < 65536:
-        return _Dialled(None, Liveness.UNKNOWN, deadline)
+        return _Dialled(None, Health.UNKNOWN, deadline)
     addresses = _resolve(host.strip("[]"), deadline - time.monotonic())
     if not addresses:  # no such name, or no answer in time from the resolver
-        return _Dialled(None, Liveness.UNKNOWN, deadline)
+        return _Dialled(None, Health.UNKNOWN, deadline)
     sock, refused = _connect_any(addresses, port, deadline)
     if sock is None and refused:
         left = max(deadline - time.monotonic(), CONFIRM_AFTER_SECONDS)
@@ -355,23 +371,23 @@ def _dial(address: str, timeout: float) -> _Dialled:
         deadline = time.monotonic() + left
         sock, refused = _connect_any(addresses, port, deadline)
     if sock is not None:
-        return _Dialled(sock, Liveness.ALIVE, deadline)
-    return _Dialled(None, Liveness.DEAD if refused else Liveness.UNKNOWN, deadline)
+        return _Dialled(sock, Health.ALIVE, deadline)
+    return _Dialled(None, Health.GONE if refused else Health.UNKNOWN, deadline)
 
 
-def probe(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> Liveness:
+def probe(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> Health:
     """Whether an agent still listens at ``address`` (``host:port``); see the module doc."""
     dialled = _dial(address, timeout)
     if dialled.sock is not None:
         dialled.sock.close()
-    return dialled.liveness
+    return dialled.health
 
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
     """What :func:`ask` learned: the verdict, and the peer's own words when it answered."""
 
-    liveness: Liveness
+    health: Health
     info: Mapping[str, Any] | None = None
 
 
@@ -380,20 +396,20 @@ def ask(address: str, timeout: float = ASK_TIMEOUT_SECONDS) -> Answer:
     confirmation's delay after a refusal, see :func:`probe`).
 
     An answer (or a close without one, from a listener that does not answer) is
-    :attr:`Liveness.ALIVE`; refused twice is :attr:`Liveness.DEAD`; a handshake that
+    :attr:`Health.ALIVE`; refused twice is :attr:`Health.GONE`; a handshake that
     completes with no answer in time (a frozen process, its kernel still accepting) or no
-    handshake at all is :attr:`Liveness.UNKNOWN`: silent.
+    handshake at all is :attr:`Health.UNKNOWN`: silent.
     """
     dialled = _dial(address, timeout)
     if dialled.sock is None:
-        return Answer(dialled.liveness)
+        return Answer(dialled.health)
     data = b""
     with dialled.sock as sock:
         try:
             while b"\n" not in data and len(data) < _MAX_ANSWER:
                 left = dialled.deadline - time.monotonic()
                 if left <= 0:
-                    return Answer(Liveness.UNKNOWN)
+                    return Answer(Health.UNKNOWN)
                 sock.settimeout(left)
                 chunk = sock.recv(_MAX_ANSWER)
                 if not chunk:
@@ -401,18 +417,21 @@ def ask(address: str, timeout: float = ASK_TIMEOUT_SECONDS) -> Answer:
                 data += chunk
         except OSError as exc:
             if exc.errno == errno.ECONNRESET and not data:
-                return Answer(Liveness.ALIVE)  # accepted and closed: an agent that answers not
-            return Answer(Liveness.UNKNOWN)
+                return Answer(Health.ALIVE)  # accepted and closed: an agent that answers not
+            return Answer(Health.UNKNOWN)
     if not data:
-        return Answer(Liveness.ALIVE)
+        return Answer(Health.ALIVE)
     try:
         info = json.loads(data.partition(b"\n")[0])
     except ValueError:
-        return Answer(Liveness.ALIVE)
-    return Answer(Liveness.ALIVE, info if isinstance(info, dict) else None)
+        return Answer(Health.ALIVE)
+    return Answer(Health.ALIVE, info if isinstance(info, dict) else None)
 
 
-class PeerWatch:
+_K = TypeVar("_K", bound=str)
+
+
+class PeerWatch(Generic[_K]):
     """Ask a fixed set of peers (node -> listener address) every :data:`ASK_INTERVAL_SECONDS`,
     on a daemon thread, and tell which have been silent or dead for a while.
 
@@ -423,7 +442,7 @@ class PeerWatch:
 
     def __init__(
         self,
-        peers: Mapping[str, str],
+        peers: Mapping[_K, str],
         *,
         interval: float = ASK_INTERVAL_SECONDS,
         timeout: float = ASK_TIMEOUT_SECONDS,
@@ -433,8 +452,8 @@ class PeerWatch:
         self._timeout = timeout
         now = time.monotonic()
         self._heard = dict.fromkeys(self._peers, now)
-        self._dead: set[str] = set()
-        self._answers: dict[str, Mapping[str, Any]] = {}
+        self._gone: set[_K] = set()
+        self._answers: dict[_K, Mapping[str, Any]] = {}
         self._ticked = now
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -444,7 +463,7 @@ class PeerWatch:
             self._thread.start()
 
     @property
-    def peers(self) -> Mapping[str, str]:
+    def peers(self) -> Mapping[_K, str]:
         return self._peers
 
     def _run(self) -> None:
@@ -467,17 +486,17 @@ class PeerWatch:
                         # we asked nothing. Judge from now on.
                         self._heard = dict.fromkeys(self._peers, now)
                     for node, answer in answers.items():
-                        if answer.liveness is Liveness.ALIVE:
+                        if answer.health is Health.ALIVE:
                             self._heard[node] = now
-                            self._dead.discard(node)
+                            self._gone.discard(node)
                             if answer.info is not None:
                                 self._answers[node] = answer.info
-                        elif answer.liveness is Liveness.DEAD:
-                            self._dead.add(node)
+                        elif answer.health is Health.GONE:
+                            self._gone.add(node)
                     self._ticked = now
                 self._stop.wait(max(0.0, self._interval - (now - started)))
 
-    def silent(self, window: float = SILENT_AFTER_SECONDS) -> set[str]:
+    def silent(self, window: float = SILENT_AFTER_SECONDS) -> set[_K]:
         """Peers not heard from for ``window`` seconds, as of now (a dead one too, once the
         window has passed); nobody while this watch itself has not been asking (see the class
         doc)."""
@@ -487,12 +506,12 @@ class PeerWatch:
                 return set()
             return {node for node, heard in self._heard.items() if now - heard >= window}
 
-    def dead(self) -> set[str]:
+    def gone(self) -> set[_K]:
         """Peers whose address refused at the last question, twice (their agent is gone)."""
         with self._lock:
-            return set(self._dead)
+            return set(self._gone)
 
-    def answer(self, node: str) -> Mapping[str, Any] | None:
+    def answer(self, node: _K) -> Mapping[str, Any] | None:
         """The last answer line ``node`` gave, if any."""
         with self._lock:
             return self._answers.get(node)
@@ -501,9 +520,7 @@ class PeerWatch:
         self._stop.set()
 
 
-def ask_all(
-    addresses: Mapping[str, str], timeout: float = ASK_TIMEOUT_SECONDS
-) -> dict[str, Answer]:
+def ask_all(addresses: Mapping[_K, str], timeout: float = ASK_TIMEOUT_SECONDS) -> dict[_K, Answer]:
     """:func:`ask` every value of ``addresses`` (name -> ``host:port``) in parallel."""
     if not addresses:
         return {}
@@ -515,8 +532,8 @@ def ask_all(
 
 
 def probe_all(
-    addresses: Mapping[str, str], timeout: float = PROBE_TIMEOUT_SECONDS
-) -> dict[str, Liveness]:
+    addresses: Mapping[_K, str], timeout: float = PROBE_TIMEOUT_SECONDS
+) -> dict[_K, Health]:
     """:func:`probe` every value of ``addresses`` (node -> ``host:port``), in parallel, so that
     the whole check takes at most about ``timeout``."""
     if not addresses:
@@ -526,14 +543,3 @@ def probe_all(
     ) as pool:
         answers = pool.map(lambda address: probe(address, timeout), addresses.values())
         return dict(zip(addresses, answers, strict=True))
-
-
-def parse_addresses(items: Iterable[tuple[str, bytes]]) -> dict[str, str]:
-    """Decode ``(node, b"host:port")`` pairs read from the store, skipping undecodable values."""
-    found = {}
-    for node, raw in items:
-        try:
-            found[node] = raw.decode()
-        except UnicodeDecodeError:
-            continue
-    return found

@@ -19,6 +19,7 @@ import math
 from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping
 
 from ddpjob_worker import contract
+from ddpjob_worker.nodes import NodeIdent
 
 DEFAULT_JOIN_TIMEOUT = 600.0
 """torch's c10d rendezvous default ``join_timeout`` (seconds)."""
@@ -506,10 +507,10 @@ def round_is_full(
 
 
 def has_quorum(
-    participants: Collection[str],
-    base: Mapping[str, int | None],
-    gone: Collection[str],
-    indexes: Mapping[str, int | None],
+    participants: Collection[NodeIdent],
+    base: Mapping[NodeIdent, int | None],
+    gone: Collection[NodeIdent],
+    indexes: Mapping[NodeIdent, int | None],
 ) -> bool:
     """Whether a forming round may complete: it holds a strict majority of the last round's
     members (``base``: node -> pod index) that are not known to be gone.
@@ -532,7 +533,9 @@ def has_quorum(
     return 2 * len(alive & joined) > len(alive)
 
 
-def successor(ranks: Mapping[str, int], *, excluded: Collection[str]) -> str | None:
+def successor(
+    ranks: Mapping[NodeIdent, int], *, excluded: Collection[NodeIdent]
+) -> NodeIdent | None:
     """Who hosts the store after its host is lost: the lowest-ranked member of the last round
     that is not excluded (the old host, and the members known gone or silent). Every survivor
     computes the same from the round it shares with the others: no vote to lose."""
