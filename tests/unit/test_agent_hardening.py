@@ -12,21 +12,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpjob_worker import compat, contract
-from ddpjob_worker.policy import (
+from ddpjob_worker.blame import (
     CAUSE_COMM,
     CAUSE_ERROR,
     CAUSE_UNKNOWN,
-    Action,
     FailureReport,
-    WorkerStatus,
-    decide,
-    exit_code_for_worker,
     failure_cause,
     format_report,
     is_root_cause,
     parse_reports,
-    resolve_settings,
     settled,
+)
+from ddpjob_worker.policy import (
+    Action,
+    WorkerStatus,
+    decide,
+    exit_code_for_worker,
+    resolve_settings,
     static_master,
 )
 

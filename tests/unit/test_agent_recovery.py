@@ -17,15 +17,9 @@ from typing import IO
 import pytest
 
 from ddpjob_worker import liveness
+from ddpjob_worker.blame import FailureReport, settled
 from ddpjob_worker.liveness import Health
-from ddpjob_worker.policy import (
-    Action,
-    FailureReport,
-    WorkerStatus,
-    decide,
-    round_is_full,
-    settled,
-)
+from ddpjob_worker.policy import Action, WorkerStatus, decide, round_is_full
 from tests.harness import wait_until
 
 

@@ -172,7 +172,7 @@ def test_forged_and_outside_keys_do_not_steer_the_round(job: Job, port: int) -> 
 
 
 def test_forged_failure_reports_are_dropped() -> None:
-    from ddpjob_worker.policy import FAILURE_REPORTS_KEY, parse_reports  # noqa: PLC0415
+    from ddpjob_worker.blame import FAILURE_REPORTS_KEY, parse_reports  # noqa: PLC0415
 
     raw = "1.0@1@error;" + KEY.items(FAILURE_REPORTS_KEY, ["2.0@0@comm"])
     opened = parse_reports(";".join(KEY.open_items(FAILURE_REPORTS_KEY, raw)))

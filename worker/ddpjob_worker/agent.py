@@ -39,13 +39,13 @@ torch's own code.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
-import json
 import logging
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from torch.distributed import DistNetworkError, DistStoreError
@@ -70,6 +70,7 @@ from torch.distributed.elastic.utils.store import (  # the barrier's check-in, t
 from torch.distributed.launcher.api import LaunchConfig
 
 from ddpjob_worker import liveness, signals, warm, watch, workers
+from ddpjob_worker.blame import Blame, FailureReport, Verdict, describe_failure, failure_of
 from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError
@@ -79,22 +80,14 @@ from ddpjob_worker.ledger import RestartLedger
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent, NodeRepr, ident
 from ddpjob_worker.policy import (
-    FAILURE_REPORTS_KEY,
-    FAILURE_SETTLE_SECONDS,
     REAP_SECONDS,
     RECOVERY_PROBE_CAP_SECONDS,
     Action,
-    FailureReport,
     Settings,
     StoreAnswer,
     WorkerStatus,
     best_store,
     decide,
-    failure_cause,
-    format_report,
-    is_root_cause,
-    parse_reports,
-    settled,
     split_endpoint,
     successor,
 )
@@ -111,7 +104,7 @@ from ddpjob_worker.rendezvous import (
     store_params,
 )
 from ddpjob_worker.seal import Seal
-from ddpjob_worker.state import AgentState, Failure, Phase, StateWriter
+from ddpjob_worker.state import AgentState, Phase, StateWriter
 
 logger = logging.getLogger("ddpjob_worker.agent")
 _T = TypeVar("_T")
@@ -163,6 +156,7 @@ class DdpjobAgent(LocalElasticAgent):
         self._state = state
         self._heartbeat_seconds = heartbeat_seconds
         self._ledger = RestartLedger(spec.max_restarts)
+        self._blame = Blame(Seal.from_env(), in_pod=settings.in_ddpjob_pod)
         self._store_lost = False
         self._store_recoveries = 0
         self._exit_clock = ExitClock()
@@ -300,7 +294,7 @@ class DdpjobAgent(LocalElasticAgent):
                 self._check_in_to_left_rounds()
                 return result
             if status is WorkerStatus.FAILED:
-                self._state.update(last_failure=_describe_failure(result))
+                self._state.update(last_failure=describe_failure(result.failures))
             if action is Action.GIVE_UP:
                 self._give_up(role, group)
                 return result
@@ -353,7 +347,7 @@ class DdpjobAgent(LocalElasticAgent):
             # A member went silent: whatever our workers did, the group lost a member.
             collateral = True
         elif status is WorkerStatus.FAILED and not store_lost and not self._ledger.disabled:
-            collateral, store_lost = self._report_failure(group, failure)
+            collateral, store_lost = dataclasses.astuple(self._report_failure(group, failure))
         for _ in range(2):
             action = decide(
                 status,
@@ -366,7 +360,7 @@ class DdpjobAgent(LocalElasticAgent):
             if action is not Action.SETTLE_FIRST:
                 break
             # No restart left: giving up is final, so wait for the peers' reports first.
-            collateral, store_lost = self._settle_now(group)
+            collateral, store_lost = dataclasses.astuple(self._settle_now(group))
         return action, nodes_waiting, store_lost, collateral
 
     def _broken(self) -> bool:
@@ -432,92 +426,28 @@ class DdpjobAgent(LocalElasticAgent):
                 logger.debug("could not check in to a round we left: %s", exc)
 
     def _failure(self, result: RunResult, noticed_at: float) -> FailureReport:
-        """Our failure: when it started (the first failed worker's exit, timed to the
-        millisecond by :mod:`ddpjob_worker.exits`; the moment we noticed it if that is unknown)
-        and its cause, from the workers' error files (:func:`failure_cause`)."""
-        exited = self._exit_clock.earliest(f.pid for f in result.failures.values())
-        at = noticed_at if exited is None else min(exited, noticed_at)
-        return FailureReport(at, self._worker_group.group_rank or 0, cause_of(result.failures))
+        """Our failure (:func:`ddpjob_worker.blame.failure_of`)."""
+        node = self._worker_group.group_rank or 0
+        return failure_of(result.failures, self._exit_clock, node, noticed_at)
 
-    def _report_failure(
-        self, group: WorkerGroup, failure: FailureReport
-    ) -> tuple[bool | None, bool]:
-        """Report our failure to the round's store. Returns ``(collateral, store_lost)``:
-        collateral is ``None`` (not known yet: settled later) once the report is in.
+    def _report_failure(self, group: WorkerGroup, failure: FailureReport) -> Verdict:
+        """Report our failure to the round's store (:class:`ddpjob_worker.blame.Blame`)."""
+        if group.store is None or group.group_rank is None:
+            return Verdict(collateral=False)
+        return self._blame.report(group.store, failure, hosting=self._hosting)
 
-        Who is charged is decided first from what the workers' error files say
-        (:func:`failure_cause`): a worker's own error is always charged, and a node whose
-        collective failed under it (a communication error) comes after every other. Among
-        the rest, from the agents' wall clocks at the moment each one's first failed worker
-        exited (``failure.at``): the root cause's worker dies first, the others' only fail
-        once it is gone (its sockets close) and they have unwound. The reports are compared
-        once the next round has formed (:meth:`_settle`): every member of the old round that
-        is in the new one reported before it joined, so all the reports that matter are in
-        by then, and nobody waits for them. Limits (docs/agent.md): without error files,
-        clocks must agree to well within that gap; two independent failures with no error
-        file in one round charge only the earliest.
-
-        In a DDPJob pod, when the store does not answer and we do not host it, its host is gone
-        (say pod 0 spent its budget and exited, as it does without closing the rendezvous):
-        that is a lost store host, a free restart and a rejoin once the operator has replaced
-        pod 0, not a charge. Elsewhere the agent that gives up closes the rendezvous, as torch
-        does, and we charge.
-        """
-        store = group.store
-        if store is None or group.group_rank is None:
-            return False, False
-        try:
-            report = format_report(failure).rstrip(";")
-            store.append(FAILURE_REPORTS_KEY, self._seal.items(FAILURE_REPORTS_KEY, [report]))
-        except (RuntimeError, OSError) as exc:  # store trouble (DistError is a RuntimeError)
-            return self._store_trouble(exc)
-        return None, False
-
-    def _reports(self, store: Any) -> list[FailureReport]:
-        """The failure reports of a round's store that the job's agents wrote (sealed)."""
-        raw = bytes(store.get(FAILURE_REPORTS_KEY)).decode(errors="replace")
-        return parse_reports(";".join(self._seal.open_items(FAILURE_REPORTS_KEY, raw)))
-
-    def _store_trouble(self, exc: Exception) -> tuple[bool, bool]:
-        """``(collateral, store_lost)`` when the store fails us while we compare reports (never
-        a SignalException: a SIGTERM then must stop the agent)."""
-        if self._settings.in_ddpjob_pod and not self._hosting:
-            # The store's host is gone (it may be the root cause itself, giving up). If the
-            # store was only slow, the recovery finds it up at once and rejoins: harmless.
-            logger.warning(
-                "the rendezvous store stopped answering while comparing failure reports "
-                "(%s): taking its host as lost; a free restart, then a rejoin",
-                exc,
-            )
-            return False, True
-        logger.warning("could not compare failure reports, charging this one: %s", exc)
-        return False, False
-
-    def _settle_now(self, group: WorkerGroup) -> tuple[bool, bool]:
-        """With no restart left: wait (at most the settle window) until an earlier report than
-        ours is in or every node of the round has reported, then say whether ours is collateral.
-        """
-        store, node = group.store, group.group_rank or 0
-        nodes = group.group_world_size or 1
-        if store is None:
-            return False, False
-        deadline = time.monotonic() + FAILURE_SETTLE_SECONDS
-        while True:
-            try:
-                reports = self._reports(store)
-            except (RuntimeError, OSError) as exc:
-                return self._store_trouble(exc)
-            verdict = settled(reports, node, nodes)
-            if verdict is None and time.monotonic() >= deadline and self._member_gone():
-                # A member that died whole (SIGKILL, OOM, a lost node) never reports: the
-                # round broke because it is gone, a membership change that is nobody's charge.
-                self._log_reports(reports, node, collateral=True)
-                logger.info("a member of the round is gone without a report: not our failure")
-                return True, False
-            if verdict is not None or time.monotonic() >= deadline:
-                self._log_reports(reports, node, collateral=bool(verdict))
-                return bool(verdict), False
-            time.sleep(0.05)
+    def _settle_now(self, group: WorkerGroup) -> Verdict:
+        """With no restart left: wait for the peers' reports before deciding (giving up is
+        final)."""
+        if group.store is None:
+            return Verdict(collateral=False)
+        return self._blame.wait_settled(
+            group.store,
+            group.group_rank or 0,
+            group.group_world_size or 1,
+            hosting=self._hosting,
+            member_gone=self._member_gone,
+        )
 
     def _member_gone(self) -> bool:
         """Whether a member of our round left, was found silent, or no longer listens."""
@@ -531,34 +461,15 @@ class DdpjobAgent(LocalElasticAgent):
         return any(verdict in (Health.GONE, Health.SILENT) for verdict in health.values())
 
     def _settle(self, recovered: bool) -> None:
-        """Charge the failure we restarted for, or not, now that the next round has formed."""
+        """Charge the failure we restarted for, or not, now that the next round has formed.
+        A store that changed under us is a membership change: free (the old round's reports
+        died with its store)."""
         if self._unsettled is None:
             return
         store, node = self._unsettled
         self._unsettled = None
-        if recovered:
-            # The store host changed under us: a membership change, free (the old round's
-            # reports died with its store).
-            self._ledger.settle(root=False)
-            return
-        try:
-            reports = self._reports(store)
-        except (RuntimeError, OSError) as exc:
-            collateral, store_lost = self._store_trouble(exc)
-            reports, root = [], not (collateral or store_lost)
-        else:
-            root = is_root_cause(reports, node)
-            self._log_reports(reports, node, collateral=not root)
+        root = not recovered and self._blame.is_root(store, node, hosting=self._hosting)
         self._ledger.settle(root=root)
-
-    @staticmethod
-    def _log_reports(reports: list[FailureReport], node: int, *, collateral: bool) -> None:
-        logger.info(
-            "failure reports of this round: %s; ours (node %d) is %s",
-            ", ".join(f"node {r.node} at {r.at:.3f} ({r.cause})" for r in sorted(reports)),
-            node,
-            "collateral (free restart)" if collateral else "the root cause",
-        )
 
     def _check_uninterruptible_state_timeout(
         self, worker_group: WorkerGroup, timeout: float
@@ -1278,34 +1189,3 @@ def _pause(seconds: float) -> None:
     swallowed (:func:`ddpjob_worker.signals.check`)."""
     time.sleep(seconds)
     signals.check()
-
-
-NO_ERROR_FILE = "<N/A>"
-"""torch's ``ProcessFailure.error_file`` for a worker that wrote none."""
-
-
-def _error_text(failure: Any) -> str | None:
-    """What a failed worker (torch's ``ProcessFailure``) wrote to its error file, as text; None
-    when it wrote none."""
-    data = getattr(failure, "error_file_data", None)
-    if not data or getattr(failure, "error_file", NO_ERROR_FILE) == NO_ERROR_FILE:
-        return None  # torch's stand-in then is {"message": "<NONE>"}
-    return json.dumps(data, default=str)
-
-
-def cause_of(failures: Mapping[int, Any]) -> str:
-    """The cause (:func:`failure_cause`) of torch's failures by rank (``ProcessFailure``s)."""
-    return failure_cause(_error_text(f) for f in failures.values())
-
-
-def _describe_failure(result: RunResult) -> Failure:
-    if not result.failures:
-        return Failure(reason="workers unhealthy", at=time.time())
-    rank, first = min(result.failures.items(), key=lambda item: item[1].timestamp)
-    message = first.message if isinstance(first.message, str) else str(first.message)
-    return Failure(
-        reason=message or first.signal_name() or "worker failed",
-        exit_code=first.exitcode,
-        rank=rank,
-        at=time.time(),
-    )

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn
 
 from ddpjob_worker import compat, signals, warm
+from ddpjob_worker.blame import CAUSE_COMM, cause_of
 from ddpjob_worker.contract import (
     DDPJOB_GRACE_SECONDS,
     DDPJOB_SAVING_DIR,
@@ -42,7 +43,6 @@ from ddpjob_worker.errors import (
     ConfigError,
 )
 from ddpjob_worker.policy import (
-    CAUSE_COMM,
     DEFAULT_HEARTBEAT_SECONDS,
     Settings,
     exit_code_for_worker,
@@ -316,8 +316,6 @@ def _main(args: argparse.Namespace, writer: StateWriter, early: list[warm.Spare]
         writer.update(phase=Phase.STOPPED)
         return EXIT_STOPPED
     except ChildFailedError as exc:
-        from ddpjob_worker.agent import cause_of
-
         print(exc.format_msg(), file=sys.stderr, flush=True)  # type: ignore[no-untyped-call]
         _, first = exc.get_first_failure()
         reason = f"workers failed: {exc.name} (first failure exit code {first.exitcode})"
