@@ -18,8 +18,9 @@ import pytest
 
 from ddpjob_worker import liveness
 from ddpjob_worker.blame import FailureReport, settled
+from ddpjob_worker.failover import round_is_full
 from ddpjob_worker.liveness import Health
-from ddpjob_worker.policy import Action, WorkerStatus, decide, round_is_full
+from ddpjob_worker.policy import Action, WorkerStatus, decide
 from tests.harness import wait_until
 
 

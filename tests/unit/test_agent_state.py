@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import ddpjob_worker
 from ddpjob_worker import probe
 from ddpjob_worker.contract import EXIT_INFRA, is_retryable_exit
 from ddpjob_worker.endpoint import wait_for_endpoint
@@ -173,3 +174,52 @@ def test_wait_for_endpoint_gives_up_at_the_deadline_naming_what_it_tried() -> No
     # Retryable under restartPolicy: ExitCode (it was 69, which ExitCode reads as permanent).
     assert info.value.exit_code == EXIT_INFRA
     assert is_retryable_exit(info.value.exit_code)
+
+
+MEMBERSHIP_CORE = (
+    "ddpjob_worker.ledger",
+    "ddpjob_worker.nodes",
+    "ddpjob_worker.keys",
+    "ddpjob_worker.watch",
+    "ddpjob_worker.blame",
+    "ddpjob_worker.failover",
+    "ddpjob_worker.advert",
+)
+"""What the agent knows of membership without torch: the restart ledger, node names, the run's
+keys, the peer watch, blame, the failover and fencing rules, and the liveness answer. One job of
+1,024 pods runs many of these to a process, with no torch and no worker processes."""
+
+
+def test_the_membership_core_imports_without_torch() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for name in {MEMBERSHIP_CORE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_most_of_the_worker_package_imports_without_torch() -> None:
+    """Every module of ``ddpjob_worker`` but the torch side (the agent on torch's subclass, its
+    launch, the store link, the rendezvous adapter, the worker processes) imports in a fresh
+    interpreter without torch (17 modules and the package before the agent was split)."""
+    code = (
+        "import importlib, json, pkgutil, subprocess, sys, ddpjob_worker\n"
+        "light = []\n"
+        "for info in pkgutil.iter_modules(ddpjob_worker.__path__):\n"
+        "    name = f'ddpjob_worker.{info.name}'\n"
+        "    check = f'import sys, {name}; sys.exit(\"torch\" in sys.modules)'\n"
+        "    if subprocess.run([sys.executable, '-c', check]).returncode == 0:\n"
+        "        light.append(info.name)\n"
+        "print(json.dumps(light))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=300, capture_output=True, text=True
+    )
+    light = set(json.loads(run.stdout))
+    modules = {path.stem for path in Path(ddpjob_worker.__file__).parent.glob("*.py")}
+    torch_side = {"agent", "launch", "storelink", "rendezvous", "workers"}
+    assert light == modules - torch_side - {"__init__"}, sorted(light)
+    assert {name.rpartition(".")[2] for name in MEMBERSHIP_CORE} <= light
+    assert len(light) >= 18 - 1 + 4  # 17 modules and the package itself before the split

@@ -19,15 +19,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from ddpjob_worker import watch
+from ddpjob_worker.keys import END_FAILURE, END_LEAVE
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeRepr
-from ddpjob_worker.rendezvous import (
-    END_FAILURE,
-    END_LEAVE,
-    RendezvousAdapter,
-    _fresh_sync,
-    is_jobs_store,
-)
+from ddpjob_worker.rendezvous import RendezvousAdapter, _fresh_sync, is_jobs_store
 from ddpjob_worker.seal import KEY_ENV, Seal, SealError
 from tests.harness import free_port
 

@@ -171,6 +171,15 @@ class Blame:
     def __init__(self, seal: Seal, *, in_pod: bool) -> None:
         self._seal = seal
         self._in_pod = in_pod
+        self._exits = ExitClock()
+
+    def watch(self, pids: Iterable[int]) -> None:
+        """Time the exits of a new worker group's processes."""
+        self._exits.watch(pids)
+
+    def failure(self, failures: Mapping[int, Any], node: int, noticed_at: float) -> FailureReport:
+        """Our failure (:func:`failure_of`), timed by our workers' exits."""
+        return failure_of(failures, self._exits, node, noticed_at)
 
     def report(self, store: Any, failure: FailureReport, *, hosting: bool) -> Verdict:
         """Report our failure to the round's store: not known yet (collateral None) once it

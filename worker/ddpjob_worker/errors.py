@@ -25,6 +25,8 @@ __all__ = [
     "ConfigError",
     "EndpointUnreachableError",
     "StoreSilentError",
+    "StoreUnreachableError",
+    "WorkersStuckError",
 ]
 
 EXIT_ENDPOINT_UNREACHABLE = EXIT_INFRA
@@ -55,6 +57,11 @@ class ConfigError(AgentError):
 
 class WorkersStuckError(AgentError):
     """torch's watchdog found a worker stuck in the kernel and disabled restarts."""
+
+
+class StoreUnreachableError(AgentError):
+    """The rendezvous store failed a request (its connection broke, or it refused): its host
+    may be gone. torch's own errors for it are translated to this at the agent's edge."""
 
 
 class StoreSilentError(AgentError, RuntimeError):

@@ -30,14 +30,29 @@ import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from ddpjob_worker.failover import has_quorum
 from ddpjob_worker.nodes import NodeIdent, NodeRepr, ident
-from ddpjob_worker.policy import has_quorum
 from ddpjob_worker.seal import Seal
 
 logger = logging.getLogger("ddpjob_worker.keys")
 
 HOSTED = "hosted"
 """The run's key that a store's host writes as soon as it hosts the store (sealed)."""
+
+# Why a round is over (``round.<N>.over``):
+END_FAILURE = "failure"
+"""A member's workers failed (or it gave up): the group is broken."""
+END_LEAVE = "leave"
+"""A member leaves on SIGTERM: the group is broken."""
+END_JOIN = "join"
+"""A node waits to join: the group is intact, the round only grows."""
+END_HANDOVER = "handover"
+"""The store's host leaves on SIGTERM: the others carry on around a new host at once."""
+END_DROPPED = "dropped"
+"""We are no longer a participant of our round (read from the state, not announced): our
+heartbeats lapsed (a store that stalled, for one, as torch's store server does while it looks
+up a new client's name in a DNS that does not answer) and a newcomer's sync removed us and
+opened the next round. Training on would leave that newcomer waiting alone for good."""
 
 
 class Store(Protocol):
@@ -207,7 +222,7 @@ class RunKeys:
 
     def quorum(self, participants: Iterable[NodeRepr]) -> bool:
         """Whether ``participants`` hold a majority of the base
-        (:func:`ddpjob_worker.policy.has_quorum`); any do while no base is recorded."""
+        (:func:`ddpjob_worker.failover.has_quorum`); any do while no base is recorded."""
         base = self.base()
         if base is None:
             return True

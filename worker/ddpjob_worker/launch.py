@@ -31,11 +31,11 @@ from ddpjob_worker import liveness, signals, warm
 from ddpjob_worker.agent import DdpjobAgent
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
+from ddpjob_worker.failover import first_store
 from ddpjob_worker.keys import HOSTED
 from ddpjob_worker.policy import (
     HOST_LINGER_SECONDS,
     Settings,
-    best_store,
     next_delay,
     split_endpoint,
     static_master,
@@ -167,36 +167,34 @@ def _find_store(
     params: RendezvousParameters, settings: Settings
 ) -> tuple[RendezvousParameters, int, bool]:
     """Ask the job's agents (``DDPJOB_RDZV_PEERS``) which store carries the job now:
-    ``(params, generation, we host it)``. A replacement pod 0, or a pod added by a scale-up,
-    joins the store the others moved to after losing pod 0; nobody answering (the job's
-    start) leaves the configured endpoint, hosted by pod 0 as generation 1.
-
-    Pod 0 named as the host of generation 1 at its own endpoint is the pod it replaces, which
-    is gone: the others are about to carry on around a new host, so it asks again for a few
-    seconds before it hosts the endpoint itself. A later generation at that endpoint is
-    another pod's store (under ``ddpjob run`` every pod's address is 127.0.0.1): it joins it.
-    """
+    ``(params, generation, we host it)`` (:func:`ddpjob_worker.failover.first_store`). A
+    replacement pod 0, or a pod added by a scale-up, joins the store the others moved to after
+    losing pod 0; nobody answering (the job's start) leaves the configured endpoint, hosted by
+    pod 0 as generation 1. A replacement pod 0 named as the host of generation 1 at its own
+    endpoint asks again for :data:`FIND_STORE_SECONDS` (the pod it replaces is gone, and the
+    others are about to carry on around a new host) before it hosts the endpoint itself. Under
+    ``ddpjob run`` every pod's address is 127.0.0.1: a later generation at that endpoint is
+    another pod's store, and is joined."""
     hosting = bool(settings.is_host)
     deadline = time.monotonic() + FIND_STORE_SECONDS
     while True:
         signals.check()
-        answers = _ask_peers(settings.peers)
-        found = best_store(answers, params.run_id)
-        mine = found is not None and found.store == params.endpoint and found.gen <= 1
-        if found is not None and not (hosting and mine):
+        start = first_store(
+            _ask_peers(settings.peers),
+            run_id=params.run_id,
+            endpoint=params.endpoint,
+            hosting=hosting,
+            final=time.monotonic() >= deadline,
+        )
+        if start is not None and start.named:
             logger.info(
                 "the job's pods name generation %d of its store at %s: joining it",
-                found.gen,
-                found.store,
+                start.gen,
+                start.endpoint,
             )
-            return store_params(params, found.store, is_host=False), found.gen, False
-        if found is None or time.monotonic() >= deadline:
-            gens = [
-                info["gen"]
-                for info in answers
-                if info.get("run") == params.run_id and isinstance(info.get("gen"), int)
-            ]
-            return params, (max(gens) + 1 if gens and hosting else 1), hosting
+            return store_params(params, start.endpoint, is_host=False), start.gen, False
+        if start is not None:
+            return params, start.gen, start.hosting
         time.sleep(0.2)
 
 

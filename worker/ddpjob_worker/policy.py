@@ -16,10 +16,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from ddpjob_worker import contract
-from ddpjob_worker.nodes import NodeIdent
 
 DEFAULT_JOIN_TIMEOUT = 600.0
 """torch's c10d rendezvous default ``join_timeout`` (seconds)."""
@@ -206,6 +205,12 @@ class Settings:
     """``DDPJOB_RESTART_STOP_SECONDS``: the same for healthy workers on a scale-up."""
 
     @property
+    def store_read_limit(self) -> float:
+        """How long the agent waits on one of its own store requests (the store's read
+        timeout, 10 s by default)."""
+        return self.store_read_timeout or 10.0
+
+    @property
     def failover(self) -> bool:
         """Whether the survivors of a lost store host carry on around a new one: only where a
         newcomer can find the current store (the peers to ask), in a DDPJob pod."""
@@ -363,90 +368,3 @@ def exit_code_for_worker(exitcode: int) -> int:
     if 1 <= exitcode <= 255:
         return exitcode
     return contract.EXIT_WORKER_FAILED
-
-
-def round_is_full(
-    participants: Collection[Hashable],
-    expected: frozenset[Hashable] | None,
-    *,
-    waiting: int,
-    min_nodes: int,
-) -> bool:
-    """Whether a forming rendezvous round may complete now instead of after its last call.
-
-    torch waits ``last_call_timeout`` once ``min_nodes`` have joined, in case more come. After a
-    failure we know who comes: the members of the last round that are still alive
-    (``expected``; the ones that left or died are out). Once all of them have joined, at least
-    ``min_nodes`` are in and no node waits to join, waiting longer only delays training. With no
-    expectation (the first round, or a rendezvous we cannot read) torch's last call applies.
-    """
-    if expected is None or waiting > 0:
-        return False
-    joined = set(participants)
-    return len(joined) >= min_nodes and expected <= joined
-
-
-def has_quorum(
-    participants: Collection[NodeIdent],
-    base: Mapping[NodeIdent, int | None],
-    gone: Collection[NodeIdent],
-    indexes: Mapping[NodeIdent, int | None],
-) -> bool:
-    """Whether a forming round may complete: it holds a strict majority of the last round's
-    members (``base``: node -> pod index) that are not known to be gone.
-
-    Known gone: they left, their address refused (their process is dead), or a pod with the
-    same index joins (the operator replaces pod *i* only once the old pod object is gone). A
-    member that is merely silent still counts: it may be alive on the other side of a
-    partition, and of two sides only one can hold a majority, so two groups never train at
-    once. With no base (the job's first round) or every member gone, any round may complete.
-    """
-    joined = set(participants)
-    replaced = {indexes.get(node) for node in joined - set(base)} - {None}
-    alive = {
-        node
-        for node, index in base.items()
-        if node not in gone and (index is None or index not in replaced or node in joined)
-    }
-    if not alive:
-        return True
-    return 2 * len(alive & joined) > len(alive)
-
-
-def successor(
-    ranks: Mapping[NodeIdent, int], *, excluded: Collection[NodeIdent]
-) -> NodeIdent | None:
-    """Who hosts the store after its host is lost: the lowest-ranked member of the last round
-    that is not excluded (the old host, and the members known gone or silent). Every survivor
-    computes the same from the round it shares with the others: no vote to lose."""
-    left = sorted((rank, node) for node, rank in ranks.items() if node not in excluded)
-    return left[0][1] if left else None
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class StoreAnswer:
-    """A store that a peer named (from its liveness answer). Ordered: an established store (it
-    completed a round, so a majority stood behind it) before a forming one, then the newest
-    generation. A forming store that has no majority (a cut-off pod that tried to host on its
-    own, the survivor of a 2-pod job) so yields to a live established one."""
-
-    established: bool
-    gen: int
-    store: str
-    host_at: str | None = dataclasses.field(default=None, compare=False)
-    """Where the store's host answers (its liveness address), to check it is alive."""
-
-
-def best_store(answers: Iterable[Mapping[str, object]], run_id: str) -> StoreAnswer | None:
-    """The best store of run ``run_id`` that the answers name, if any (malformed or foreign
-    answers are skipped)."""
-    found = []
-    for info in answers:
-        gen, store, host_at = info.get("gen"), info.get("store"), info.get("host_at")
-        if info.get("run") != run_id or not isinstance(store, str) or not store:
-            continue
-        if not isinstance(gen, int) or isinstance(gen, bool) or gen < 1:
-            continue
-        at = host_at if isinstance(host_at, str) and host_at else None
-        found.append(StoreAnswer(bool(info.get("established")), gen, store, at))
-    return max(found, default=None)

@@ -9,7 +9,7 @@ handler and adds:
 * **No last call once the expected nodes are in.** torch waits ``last_call_timeout`` after
   ``min_nodes`` have joined, for more to come. After a failure the agent knows who comes (the
   last round's members, minus those gone) and says so (:meth:`RendezvousAdapter.expect`); the
-  round completes as soon as they are all in (:func:`ddpjob_worker.policy.round_is_full`).
+  round completes as soon as they are all in (:func:`ddpjob_worker.failover.round_is_full`).
 * **A majority, when fenced.** With store failover on, a round completes only with a majority
   of the last round's members (:meth:`ddpjob_worker.keys.RunKeys.quorum`), so two sides of a
   partition never both train; while it waits, a hook may abandon the store for a newer one.
@@ -56,29 +56,17 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _should_keep_alive,
 )
 
-from ddpjob_worker import signals
-from ddpjob_worker.keys import HOSTED, RunKeys, key
+from ddpjob_worker import signals, watch
+from ddpjob_worker.failover import round_is_full
+from ddpjob_worker.keys import END_DROPPED, END_LEAVE, HOSTED, RunKeys, key
+from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import INCARNATION_SHIFT, NodeIdent, NodeRepr, ident
-from ddpjob_worker.policy import round_is_full
 from ddpjob_worker.seal import Seal, SealError
 
 logger = logging.getLogger("ddpjob_worker.rendezvous")
 
 JOIN_POLL_SECONDS = 0.1
 """How often a joining node looks at the rendezvous state (torch: 1 s)."""
-END_FAILURE = "failure"
-"""A member's workers failed (or it gave up): the group is broken."""
-END_LEAVE = "leave"
-"""A member leaves on SIGTERM: the group is broken."""
-END_JOIN = "join"
-"""A node waits to join: the group is intact, the round only grows."""
-END_HANDOVER = "handover"
-"""The store's host leaves on SIGTERM: the others carry on around a new host at once."""
-END_DROPPED = "dropped"
-"""We are no longer a participant of our round (read from the state, not announced): our
-heartbeats lapsed (a store that stalled, for one, as torch's store server does while it looks
-up a new client's name in a DNS that does not answer) and a newcomer's sync removed us and
-opened the next round. Training on would leave that newcomer waiting alone for good."""
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _State = Any  # torch's _RendezvousState (private, untyped)
 _REQUIRED = (
@@ -136,7 +124,7 @@ class RendezvousAdapter:
         self._round: int | None = None
         self.fenced = False
         """Rounds complete only with a majority of the last round's members (store failover is
-        on): see :func:`ddpjob_worker.policy.has_quorum`."""
+        on): see :func:`ddpjob_worker.failover.has_quorum`."""
         self.while_waiting: Callable[[], None] | None = None
         """Called about once a second while a fenced join waits (for more nodes, or for a
         majority); it may raise to abandon this store, as a host does that finds a newer one."""
@@ -244,6 +232,45 @@ class RendezvousAdapter:
         (0 on a fresh handler); the first sync of the join replaces that state with the store's.
         """
         self._holder.state.round = max(self._holder.state.round, 1)
+
+    # -- who comes back -------------------------------------------------------------------------
+
+    def member_gone(self) -> bool:
+        """Whether a member of our round left, was found silent, or no longer listens."""
+        try:
+            health = watch.judge(self.keys, self._members, silent=self.silent())
+        except (RuntimeError, OSError):
+            return False
+        return any(verdict in (Health.GONE, Health.SILENT) for verdict in health.values())
+
+    def expect_survivors(self) -> None:
+        """Before rejoining: which members of the last round come back? Those gone or found
+        silent are expired (torch would wait for their heartbeats to lapse), and the round
+        completes once the others are in (no last call). If any member cannot be judged (no
+        answer in time), torch's heartbeats and last call decide."""
+        if not self._members:
+            return
+        try:
+            health = watch.judge(self.keys, self._members, silent=self.silent())
+            gone = {node for node, verdict in health.items() if verdict is Health.GONE}
+            out = gone | {node for node, verdict in health.items() if verdict is Health.SILENT}
+            self.expire(out)
+            if self.fenced:
+                # Gone, not merely silent: out of the count a majority is taken of.
+                self.keys.confirm_gone(ident(node) for node in gone)
+        except (RuntimeError, OSError) as exc:  # store trouble: torch's timings apply
+            logger.warning("could not check which peers are alive: %s", exc)
+            self.expect(None)
+            return
+        if out:
+            logger.info("gone since the last round: %s", ", ".join(sorted(out)))
+        unsure = sorted(node for node, verdict in health.items() if verdict is Health.UNKNOWN)
+        if unsure:
+            # Maybe a lost machine, maybe a dropped probe: torch's heartbeats and last call.
+            logger.info("no liveness answer (not taken as gone) from %s", ", ".join(unsure))
+            self.expect(None)
+            return
+        self.expect(ident(node) for node in self._members - out)
 
     # -- changing the state -----------------------------------------------------------------
 
