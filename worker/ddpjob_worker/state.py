@@ -43,9 +43,6 @@ class Phase(enum.StrEnum):
     FAILED = "failed"
 
 
-TERMINAL_PHASES = frozenset({Phase.STOPPED, Phase.SUCCEEDED, Phase.FAILED})
-
-
 @dataclasses.dataclass(frozen=True)
 class Failure:
     """The last failure the agent saw: a worker exit, or an agent-level error."""
