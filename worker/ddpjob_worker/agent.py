@@ -522,7 +522,7 @@ class DdpjobAgent(LocalElasticAgent):
                     exc.found.gen,
                     exc.found.store,
                 )
-                self._link.move_to(exc.found, by())
+                self._link.join_newer(exc.found, by())
                 recovered = True
             except (RendezvousConnectionError, DistNetworkError) as exc:
                 if self._link.view.hosting:

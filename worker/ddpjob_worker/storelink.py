@@ -213,9 +213,9 @@ class StoreLink:
             logger.warning("nobody of the last round is left to host the store")
             return False
         if isinstance(outcome, failover.Host):
-            self._host_next(outcome.succession, round_)
+            self._host_new_generation(outcome.succession, round_)
         else:
-            self._move_to(outcome.found, deadline, expect=outcome.expected)
+            self._join_newer(outcome.found, deadline, expect=outcome.expected)
         return True
 
     @staticmethod
@@ -226,7 +226,7 @@ class StoreLink:
         answer = liveness.ask(round_.host_address)
         return Health.SILENT if answer.health is Health.UNKNOWN else answer.health
 
-    def _host_next(self, succession: failover.Succession, round_: RoundView) -> None:
+    def _host_new_generation(self, succession: failover.Succession, round_: RoundView) -> None:
         """Host the store's next generation at our own address, carrying the last round's
         members over as the base of its first round's majority."""
         rdzv = self.rdzv
@@ -263,12 +263,12 @@ class StoreLink:
         self._set(dataclasses.replace(self.view, address=endpoint))
         logger.warning("hosting the rendezvous store, generation %d, at %s", gen, endpoint)
 
-    def move_to(self, found: StoreAnswer, deadline: float) -> None:
+    def join_newer(self, found: StoreAnswer, deadline: float) -> None:
         """Join a store another agent named (its generation is newer than ours), when ours is
         superseded."""
-        self._move_to(found, deadline, expect=None)
+        self._join_newer(found, deadline, expect=None)
 
-    def _move_to(
+    def _join_newer(
         self, found: StoreAnswer, deadline: float, expect: frozenset[NodeIdent] | None
     ) -> None:
         params = store_params(self.params, found.store, is_host=False)
