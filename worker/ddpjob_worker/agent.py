@@ -36,8 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch.distributed import DistNetworkError, DistStoreError
-from torch.distributed.elastic.agent.server.api import (  # the exit barrier's key (wire format)
-    _TERMINAL_STATE_SYNC_ID,
+from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
     RunResult,
     WorkerGroup,
@@ -49,9 +48,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
-)
-from torch.distributed.elastic.utils.store import (  # the barrier's check-in, torch's own
-    _barrier_nonblocking,
 )
 from torch.distributed.launcher.api import LaunchConfig
 
@@ -65,7 +61,7 @@ from ddpjob_worker.ledger import RestartLedger
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import ident
 from ddpjob_worker.policy import REAP_SECONDS, Action, Settings, WorkerStatus, decide
-from ddpjob_worker.rendezvous import round_members
+from ddpjob_worker.rendezvous import check_in, round_members
 from ddpjob_worker.seal import Seal
 from ddpjob_worker.state import Phase, StateWriter
 from ddpjob_worker.storelink import StoreLink
@@ -156,8 +152,8 @@ class DdpjobAgent(LocalElasticAgent):
         )
         self._restart = Restart(stop_seconds=settings.restart_stop_seconds)
         # (store, nodes) of each round we moved on from, for their exit barriers
-        self._left_rounds: list[tuple[Any, int | None]] = []
-        self._left_run = False
+        self._rounds_behind: list[tuple[Any, int | None]] = []
+        self._departed = False
         self._warm = _warm_pool(spec, settings, early_spares)
         self._reaper = workers.Reaper(self._known_pids)
         self.gave_up = False
@@ -198,7 +194,7 @@ class DdpjobAgent(LocalElasticAgent):
                 self.close_warm()
                 self._state.update(phase=Phase.SUCCEEDED)
                 self._exit_barrier()  # type: ignore[no-untyped-call]
-                self._check_in_to_left_rounds()
+                self._check_in_to_rounds_behind()
                 return result
             if status is WorkerStatus.FAILED:
                 self._state.update(last_failure=describe_failure(result.failures))
@@ -334,10 +330,10 @@ class DdpjobAgent(LocalElasticAgent):
             )
         self.close_warm()
         self._announce_end(END_FAILURE, dataclasses.replace(tick, look=Look(ends=tick.look.ends)))
-        if self._settings.in_ddpjob_pod and not self._left_run:
+        if self._settings.in_ddpjob_pod and not self._departed:
             # Our pod fails and is replaced by a new agent: the others re-form without us now,
             # not when our heartbeats lapse (the rendezvous stays open for the replacement).
-            self._left_run = True
+            self._departed = True
             self._leave()
         self._restart = Restart(stop_seconds=self._settings.stop_seconds)
         self._stop_workers(group)
@@ -345,27 +341,14 @@ class DdpjobAgent(LocalElasticAgent):
         self.gave_up = True
         self._state.update(phase=Phase.FAILED)
         # Peers of this round that finished wait for us in its exit barrier: we are done too.
-        self._left_rounds.append((self._store, group.group_world_size))
-        self._check_in_to_left_rounds()
+        self._rounds_behind.append((self._store, group.group_world_size))
+        self._check_in_to_rounds_behind()
 
-    def _check_in_to_left_rounds(self) -> None:
-        """Check in, without waiting, to the exit barrier of every round we left.
-
-        torch's exit barrier is per round: an agent whose workers succeeded waits there for
-        every agent of *its* round. A peer that then restarted finishes in a later round and
-        never checks in to the old one, so the first agent would wait the whole
-        ``exit_barrier_timeout`` (300 s). We check in to each round we left when we end (after
-        our own round's barrier, so the store's host stays up until then), and when we give up.
-        Store trouble is only logged: the round's store may be long gone.
-        """
-        rounds, self._left_rounds = self._left_rounds, []
-        for store, nodes in rounds:
-            if store is None or not nodes:
-                continue
-            try:
-                _barrier_nonblocking(store, nodes, _TERMINAL_STATE_SYNC_ID)
-            except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
-                logger.debug("could not check in to a round we left: %s", exc)
+    def _check_in_to_rounds_behind(self) -> None:
+        """Check in to the exit barrier of every round we moved on from
+        (:func:`ddpjob_worker.rendezvous.check_in`)."""
+        rounds, self._rounds_behind = self._rounds_behind, []
+        check_in(rounds)
 
     # -- blame --------------------------------------------------------------------------------
 
@@ -453,8 +436,8 @@ class DdpjobAgent(LocalElasticAgent):
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """torch's shutdown; on SIGTERM/SIGINT we first leave the rendezvous (as its host, hand
         the store over), so peers re-form without us at once (:meth:`_leave`)."""
-        if signals.stopping() and not self._left_run:
-            self._left_run = True
+        if signals.stopping() and not self._departed:
+            self._departed = True
             self._leave()
         super()._shutdown(death_sig, timeout)
 
@@ -563,9 +546,9 @@ class DdpjobAgent(LocalElasticAgent):
         if recovered:
             # The old rounds' barriers died with the old store (and whoever waited in them
             # with its host); their store clients could only hang or fail.
-            self._left_rounds.clear()
+            self._rounds_behind.clear()
         elif self._ledger.rounds:
-            self._left_rounds.append(left)
+            self._rounds_behind.append(left)
 
     def _after_round(
         self, worker_group: WorkerGroup, recovered: bool, unsettled: tuple[Any, int] | None

@@ -44,6 +44,9 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from torch.distributed.elastic.agent.server.api import (  # the exit barrier's key (wire format)
+    _TERMINAL_STATE_SYNC_ID,
+)
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -54,6 +57,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousExitOp,
     _RendezvousJoinOp,
     _should_keep_alive,
+)
+from torch.distributed.elastic.utils.store import (  # the barrier's check-in, torch's own
+    _barrier_nonblocking,
 )
 
 from ddpjob_worker import signals, watch
@@ -312,6 +318,25 @@ class RendezvousAdapter:
         with self._handler._heartbeat_lock:
             self._handler._op_executor.run(_RendezvousExitOp(), deadline)
         logger.info("left the rendezvous (node %s)", self.me)
+
+
+def check_in(rounds: Iterable[tuple[Any, int | None]]) -> None:
+    """Check in, without waiting, to the exit barrier of each round (its store, its node
+    count) an agent moved on from.
+
+    torch's exit barrier is per round: an agent whose workers succeeded waits there for every
+    agent of *its* round. A peer that then restarted finishes in a later round and never checks
+    in to the old one, so the first agent would wait the whole ``exit_barrier_timeout`` (300 s).
+    The agent checks in to each round it moved on from when it ends (after its own round's
+    barrier, so the store's host stays up until then), and when it gives up. Store trouble is
+    only logged: a round's store may be long gone."""
+    for store, nodes in rounds:
+        if store is None or not nodes:
+            continue
+        try:
+            _barrier_nonblocking(store, nodes, _TERMINAL_STATE_SYNC_ID)
+        except (RuntimeError, OSError) as exc:  # DistError is a RuntimeError
+            logger.debug("could not check in to a round we moved on from: %s", exc)
 
 
 def round_members(handler: RendezvousHandler) -> frozenset[str] | None:
