@@ -86,6 +86,8 @@ from ddpjob_operator.api import (
     PodFailure,
     PodWaiting,
     RestartPolicy,
+    condition_true,
+    set_condition,
 )
 from ddpjob_operator.observe import DISRUPTIONS, ObservedPod, PodPhase, classify
 
@@ -192,28 +194,6 @@ class Decision:
     """Seconds until a time-based rule (deadline, below-min, stuck pod, TTL) is due, if any."""
 
 
-def set_condition(
-    conditions: Sequence[Condition],
-    type_: ConditionType,
-    status: bool,
-    reason: str,
-    message: str,
-    now: dt.datetime,
-) -> list[Condition]:
-    """Replace one condition; ``lastTransitionTime`` moves only when its status flips."""
-    wanted = "True" if status else "False"
-    old = next((c for c in conditions if c.type == type_), None)
-    since = old.last_transition_time if old is not None and old.status == wanted else now
-    new = Condition(
-        type=type_, status=wanted, reason=reason, message=message, last_transition_time=since
-    )
-    return [c for c in conditions if c.type != type_] + [new]
-
-
-def _condition_true(conditions: Iterable[Condition], type_: ConditionType) -> bool:
-    return any(c.type == type_ and c.status == "True" for c in conditions)
-
-
 def desired_replicas(spec: api.DDPJobSpec) -> int:
     return min(max(spec.replicas, spec.effective_min), spec.effective_max)
 
@@ -282,18 +262,6 @@ def sort_pods(
 # ---- failure accounting ----------------------------------------------------------------------
 
 
-def _charged(reason: str, policy: RestartPolicy) -> bool:
-    return policy is RestartPolicy.NEVER or reason not in DISRUPTIONS
-
-
-def _permanent(failure: PodFailure, policy: RestartPolicy) -> bool:
-    if policy is RestartPolicy.NEVER:
-        return True
-    if policy is RestartPolicy.EXIT_CODE and failure.exit_code is not None:
-        return failure.reason.startswith("ExitCode") and 1 <= failure.exit_code <= 127
-    return False
-
-
 def _ended_at(pod: ObservedPod, now: dt.datetime) -> dt.datetime:
     """When a pod ended: its trainer's finish time as the kubelet wrote it, else now (the
     first pass that sees the end). Never later than now: a node whose clock runs ahead must
@@ -325,7 +293,7 @@ def _account(
             exit_code=pod.exit_code,
             message=pod.message,
             node=pod.node,
-            charged=_charged(reason, job.spec.restart_policy),
+            charged=job.spec.restart_policy.charges(reason in DISRUPTIONS),
             started=pod.started,
             time=_ended_at(pod, now),
         )
@@ -348,14 +316,6 @@ def _account(
     return status, failures
 
 
-def _delayed(failure: PodFailure) -> bool:
-    """The next pod of the failure's index waits (:class:`~ddpjob_operator.api.PodBackoff`):
-    the failure was charged, or the trainer never started (a node that rejects the pod at
-    admission would reject the next one in a tight loop). Disruptions of a pod that ran are
-    replaced at once."""
-    return failure.charged or not failure.started
-
-
 def _backoff_state(
     policy: api.PodBackoff,
     entries: Sequence[api.IndexBackoff],
@@ -369,7 +329,7 @@ def _backoff_state(
     for failure, ran in counted:
         if ran >= policy.reset_after_seconds:
             state.pop(failure.index, None)
-        if not _delayed(failure):
+        if not failure.delays_next_pod:
             continue
         old = state.get(failure.index)
         state[failure.index] = api.IndexBackoff(
@@ -551,7 +511,7 @@ def _failure_verdict(
 ) -> _Verdict | None:
     spec = job.spec
     for failure in new:
-        if _permanent(failure, spec.restart_policy):
+        if spec.restart_policy.fails_job(failure):
             return _Verdict(
                 JobPhase.FAILED,
                 "PodFailed" if spec.restart_policy is RestartPolicy.NEVER else "PermanentExitCode",
@@ -795,7 +755,7 @@ def _phase(
 ) -> JobPhase:
     if completing or running >= minimum:
         return JobPhase.RUNNING
-    if _condition_true(conditions, ConditionType.RUNNING) or _condition_true(
+    if condition_true(conditions, ConditionType.RUNNING) or condition_true(
         conditions, ConditionType.RESTARTING
     ):
         return JobPhase.RESTARTING
@@ -876,7 +836,7 @@ def _backoff_events(
     policy = job.spec.pod_backoff
     entries = {e.index: e for e in status.pod_backoff}
     started: list[tuple[api.IndexBackoff, dt.datetime]] = []
-    for index in sorted({f.index for f in failures if _delayed(f)}):
+    for index in sorted({f.index for f in failures if f.delays_next_pod}):
         entry = entries.get(index)
         if entry is not None and _retry_time(policy, entry) > now:
             started.append((entry, _retry_time(policy, entry)))
@@ -1109,7 +1069,7 @@ def _running_conditions(
     now: dt.datetime,
 ) -> list[Condition]:
     out = list(conditions)
-    if not _condition_true(out, ConditionType.CREATED):
+    if not condition_true(out, ConditionType.CREATED):
         out = set_condition(
             out, ConditionType.CREATED, True, "Created", "pods and service created", now
         )
@@ -1309,7 +1269,7 @@ def _spec_parses(status: DDPJobStatus, now: dt.datetime) -> DDPJobStatus:
     """The spec parses (reconcile runs): clear an InvalidSpec condition, and take up a job an
     older operator marked Failed only for an invalid spec (that was never terminal)."""
     conditions = list(status.conditions)
-    if _condition_true(conditions, ConditionType.INVALID_SPEC):
+    if condition_true(conditions, ConditionType.INVALID_SPEC):
         conditions = set_condition(
             conditions, ConditionType.INVALID_SPEC, False, "SpecValid", "", now
         )
