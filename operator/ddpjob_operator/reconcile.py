@@ -89,14 +89,22 @@ from ddpjob_operator.api import (
     condition_true,
     set_condition,
 )
+from ddpjob_operator.events import (
+    MAX_EVENT_PODS,
+    Event,
+    failure_events,
+    phase_events,
+    pods_changed,
+    some,
+    waiting_events,
+    waiting_summary,
+)
 from ddpjob_operator.observe import DISRUPTIONS, ObservedPod, PodPhase, classify
 
 JSON = dict[str, Any]
 
 MAX_WAITING = 20
 """Pods listed in ``status.waiting`` (lowest indices first); the Running condition counts all."""
-MAX_EVENT_PODS = 10
-"""Events of one kind a pass emits pod by pod; one more sums up the rest."""
 MAX_NEW_ACCOUNTED = 500
 """Uids a pass may add to ``status.accountedPods`` (counted pods and our own deletions)."""
 INVALID_SPEC = "InvalidSpec"
@@ -163,13 +171,6 @@ class DeleteJob:
 
 
 Action = CreateService | CreatePod | DeletePod | RemoveFinalizer | DeleteJob
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,59 +363,6 @@ def _retry_time(policy: api.PodBackoff, entry: api.IndexBackoff) -> dt.datetime:
     return entry.last_failure_time + dt.timedelta(seconds=policy.delay(entry.failures))
 
 
-def _failure_events(
-    job: api.DDPJob, failures: Sequence[PodFailure], status: DDPJobStatus
-) -> list[Event]:
-    """One event per failure, at most :data:`MAX_EVENT_PODS`, then one for the rest. Each
-    charged one names the count it brought the budget to (1/N, then 2/N, in the order they
-    happened), not the count after the whole pass."""
-    used = status.backoff_count - sum(f.charged for f in failures)
-    events = []
-    for failure in failures[:MAX_EVENT_PODS]:
-        used += failure.charged
-        events.append(_failure_event(job, failure, used))
-    rest = failures[MAX_EVENT_PODS:]
-    if rest:
-        reasons = _counted(f.reason for f in rest)
-        charged = sum(f.charged for f in rest)
-        events.append(
-            Event(
-                "Warning",
-                "PodFailed",
-                f"{len(rest)} more pods failed ({reasons}; {charged} charged, "
-                f"{status.backoff_count}/{job.spec.backoff_limit} of backoffLimit)",
-            )
-        )
-    return events
-
-
-def _counted(items: Iterable[str]) -> str:
-    """``"Preempted x3, Evicted x1"``: the most frequent first."""
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    return ", ".join(f"{item} x{n}" for item, n in ordered)
-
-
-def _some(names: Sequence[str], limit: int = MAX_EVENT_PODS) -> str:
-    """At most ``limit`` names, then how many more."""
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _failure_event(job: api.DDPJob, failure: PodFailure, used: int) -> Event:
-    budget = (
-        f"charged, {used}/{job.spec.backoff_limit} of backoffLimit"
-        if failure.charged
-        else "not charged: disruption"
-    )
-    detail = f": {failure.message}" if failure.message else ""
-    return Event(
-        "Warning", "PodFailed", f"pod {failure.pod} failed ({failure.reason}, {budget}){detail}"
-    )
-
-
 def _bookkeeping(
     pods: Sequence[ObservedPod],
     status: DDPJobStatus,
@@ -480,27 +428,6 @@ class _Verdict:
     message: str
 
 
-def _waiting_summary(waiting: Sequence[PodWaiting]) -> str:
-    """Every waiting pod, by reason, with the first one's message: bounded in size."""
-    if not waiting:
-        return ""
-    if len(waiting) <= 3:
-        parts = [f"{w.pod} {w.reason}" + (f" ({w.message})" if w.message else "") for w in waiting]
-        return "; waiting: " + "; ".join(parts)
-    groups: dict[str, list[PodWaiting]] = {}
-    for entry in waiting:
-        groups.setdefault(entry.reason, []).append(entry)
-    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
-    parts = []
-    for reason, entries in ordered[:3]:
-        first = entries[0]
-        example = f"{first.pod}: {first.message}" if first.message else first.pod
-        parts.append(f"{len(entries)} pods {reason} (e.g. {example})")
-    if len(ordered) > 3:
-        parts.append(f"{sum(len(e) for _, e in ordered[3:])} pods for other reasons")
-    return f"; waiting: {len(waiting)} pods: " + "; ".join(parts)
-
-
 def _failure_verdict(
     job: api.DDPJob,
     new: Sequence[PodFailure],
@@ -533,7 +460,7 @@ def _failure_verdict(
         return _Verdict(
             JobPhase.FAILED,
             "DeadlineExceeded",
-            f"the job ran longer than {deadline}s{_waiting_summary(waiting)}",
+            f"the job ran longer than {deadline}s{waiting_summary(waiting)}",
         )
     timeout = spec.rendezvous.join_timeout_seconds
     since = status.below_min_since
@@ -542,7 +469,7 @@ def _failure_verdict(
             JobPhase.FAILED,
             "BelowMinReplicas",
             f"only {running} of minReplicas {spec.effective_min} pods ran for longer than "
-            f"rendezvous.joinTimeoutSeconds ({timeout}s){_waiting_summary(waiting)}",
+            f"rendezvous.joinTimeoutSeconds ({timeout}s){waiting_summary(waiting)}",
         )
     return None
 
@@ -770,30 +697,6 @@ def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
     ]
 
 
-def _waiting_events(old: Sequence[PodWaiting], new: Sequence[PodWaiting]) -> list[Event]:
-    before = {(w.pod, w.reason) for w in old}
-    # A back-off has its own event, once, when the failure that starts it is counted.
-    fresh = [w for w in new if (w.pod, w.reason) not in before and w.reason != "BackOff"]
-    events = [
-        Event("Warning", "PodWaiting", f"pod {w.pod} cannot start: {w.reason}: {w.message}")
-        for w in fresh[:MAX_EVENT_PODS]
-    ]
-    rest = fresh[MAX_EVENT_PODS:]
-    if rest:
-        events.append(
-            Event(
-                "Warning",
-                "PodWaiting",
-                f"{len(rest)} more pods cannot start ({_counted(w.reason for w in rest)})",
-            )
-        )
-    return events
-
-
-def _names(actions: Iterable[Action], kind: type[CreatePod] | type[DeletePod]) -> str:
-    return _some([a.name for a in actions if isinstance(a, kind)])
-
-
 def _backoff_waiting(
     job: api.DDPJob, status: DDPJobStatus, index: int, now: dt.datetime
 ) -> PodWaiting | None:
@@ -859,8 +762,7 @@ def _backoff_events(
             Event(
                 "Warning",
                 "BackOff",
-                f"{len(rest)} more pods back off (indices "
-                f"{_some([str(e.index) for e, _ in rest])})",
+                f"{len(rest)} more pods back off (indices {some([str(e.index) for e, _ in rest])})",
             )
         )
     return events
@@ -1042,22 +944,6 @@ def _limit_deletes(
     return kept, deferred
 
 
-def _action_events(job: api.DDPJob, actions: Sequence[Action]) -> list[Event]:
-    events = []
-    if any(isinstance(a, CreatePod) for a in actions):
-        events.append(Event("Normal", "CreatedPods", f"created {_names(actions, CreatePod)}"))
-    scaled_down = [a for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN]
-    if scaled_down:
-        events.append(
-            Event(
-                "Normal",
-                "ScalingDown",
-                f"spec.replicas is {job.spec.replicas}: deleting {_names(scaled_down, DeletePod)}",
-            )
-        )
-    return events
-
-
 def _running_conditions(
     conditions: Sequence[Condition],
     phase: JobPhase,
@@ -1080,7 +966,7 @@ def _running_conditions(
         "Completing"
         if completing
         else ("MinReplicasRunning" if phase is JobPhase.RUNNING else "WaitingForPods"),
-        f"{running} of {desired} pods running (minReplicas {minimum})" + _waiting_summary(waiting),
+        f"{running} of {desired} pods running (minReplicas {minimum})" + waiting_summary(waiting),
         now,
     )
     return set_condition(
@@ -1122,7 +1008,7 @@ def reconcile(
     buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
     room -= len(buckets.uncounted)
     status, new_failures = _account(job, buckets, status, now)
-    events += _failure_events(job, new_failures, status)
+    events += failure_events(job, new_failures, status)
 
     if spec.suspend:
         # A job that is not (or no longer) a Kueue job has no Admitted condition.
@@ -1156,7 +1042,7 @@ def reconcile(
     )
     waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
     shown = waiting[:MAX_WAITING]
-    events += _waiting_events(status.waiting, shown)
+    events += waiting_events(status.waiting, shown)
     # The below-minReplicas clock runs only once the job has run (Restarting): pods that never
     # started (slow image pulls, nodes still being provisioned) are reported, not timed out.
     below_since = (status.below_min_since or now) if phase is JobPhase.RESTARTING else None
@@ -1175,7 +1061,11 @@ def reconcile(
     actions += removals + _release_foreign(foreign)
     events += [
         *_backoff_events(job, new_failures, status, now, completing),
-        *_action_events(job, actions),
+        *pods_changed(
+            spec.replicas,
+            [a.name for a in actions if isinstance(a, CreatePod)],
+            [a.name for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN],
+        ),
     ]
     conditions = _gang_condition(
         _running_conditions(
@@ -1188,7 +1078,7 @@ def reconcile(
         now,
     )
     conditions = _admitted_condition(conditions, observed.queue, now)
-    events += _phase_events(status.phase, phase, running, desired)
+    events += phase_events(status.phase, phase, running, desired)
     status = status.model_copy(
         update={
             "phase": phase,
@@ -1251,13 +1141,6 @@ def _success(
 
 def _also(actions: Sequence[Action], decision: Decision) -> Decision:
     return dataclasses.replace(decision, actions=decision.actions + tuple(actions))
-
-
-def _phase_events(old: JobPhase, new: JobPhase, running: int, desired: int) -> list[Event]:
-    if new is old or new not in (JobPhase.RUNNING, JobPhase.RESTARTING):
-        return []
-    kind: Literal["Normal", "Warning"] = "Normal" if new is JobPhase.RUNNING else "Warning"
-    return [Event(kind, new.value, f"{running} of {desired} pods running (was {old})")]
 
 
 def _index_in(job: api.DDPJob, pod_name: str) -> int:

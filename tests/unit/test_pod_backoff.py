@@ -15,8 +15,9 @@ import pytest
 
 from ddpjob_operator import api
 from ddpjob_operator.errors import SpecError
+from ddpjob_operator.events import Event
 from ddpjob_operator.observe import ObservedPod, PodPhase
-from ddpjob_operator.reconcile import CreatePod, Decision, Event
+from ddpjob_operator.reconcile import CreatePod, Decision
 
 from .jobs import manifest
 from .test_reconcile import T0, failed, kinds, make_job, pod, run, running_status
