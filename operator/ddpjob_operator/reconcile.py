@@ -76,7 +76,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from ddpjob_operator import api, builders, queue
+from ddpjob_operator import api, backoff, builders, queue
 from ddpjob_operator.api import (
     CleanPodPolicy,
     Condition,
@@ -90,12 +90,10 @@ from ddpjob_operator.api import (
     set_condition,
 )
 from ddpjob_operator.events import (
-    MAX_EVENT_PODS,
     Event,
     failure_events,
     phase_events,
     pods_changed,
-    some,
     waiting_events,
     waiting_summary,
 )
@@ -277,8 +275,8 @@ def _account(
 ) -> tuple[DDPJobStatus, list[PodFailure]]:
     """Count every pod in ``buckets.uncounted`` once: a success, or a classified failure.
     The failures come in the order they happened (then by index), and so do their counts;
-    each one moves its index's back-off (:func:`_backoff_state`), and a live pod that has run
-    long enough clears its index's (:func:`_healthy`)."""
+    each one moves its index's back-off (:func:`.backoff.advance`), and a live pod that has run
+    long enough clears its index's (:func:`.backoff.clear_healthy`)."""
     new: list[tuple[PodFailure, float]] = []
     successes = 0
     for pod in buckets.uncounted:
@@ -302,8 +300,9 @@ def _account(
     new.sort(key=lambda pair: (pair[0].time, pair[0].index))
     failures = [f for f, _ in new]
     policy = job.spec.pod_backoff
-    backoff = _healthy(policy, _backoff_state(policy, status.pod_backoff, new), buckets.live, now)
-    if not new and not successes and backoff == status.pod_backoff:
+    delays = backoff.advance(policy, status.pod_backoff, new)
+    delays = backoff.clear_healthy(policy, delays, buckets.live, now)
+    if not new and not successes and delays == status.pod_backoff:
         return status, []
     status = status.model_copy(
         update={
@@ -311,56 +310,10 @@ def _account(
             "restarts": status.restarts + len(failures),
             "backoff_count": status.backoff_count + sum(f.charged for f in failures),
             "succeeded": status.succeeded + successes,
-            "pod_backoff": backoff,
+            "pod_backoff": delays,
         }
     )
     return status, failures
-
-
-def _backoff_state(
-    policy: api.PodBackoff,
-    entries: Sequence[api.IndexBackoff],
-    counted: Sequence[tuple[PodFailure, float]],
-) -> list[api.IndexBackoff]:
-    """Each index's failures in a row after this pass's failures (in the order they happened,
-    with how long each pod ran): a pod that ran ``resetAfterSeconds`` starts its index's count
-    over, a delayed failure adds one. Counting is exact (each pod is counted once), so the
-    back-off moves once per failure however often a pass runs."""
-    state = {e.index: e for e in entries}
-    for failure, ran in counted:
-        if ran >= policy.reset_after_seconds:
-            state.pop(failure.index, None)
-        if not failure.delays_next_pod:
-            continue
-        old = state.get(failure.index)
-        state[failure.index] = api.IndexBackoff(
-            index=failure.index,
-            failures=(old.failures if old is not None else 0) + 1,
-            last_failure_time=failure.time,
-        )
-    return sorted(state.values(), key=lambda e: e.index)
-
-
-def _healthy(
-    policy: api.PodBackoff,
-    entries: Sequence[api.IndexBackoff],
-    live: Sequence[ObservedPod],
-    now: dt.datetime,
-) -> list[api.IndexBackoff]:
-    """Drop the back-off of an index whose pod has now run ``resetAfterSeconds``."""
-    well = {
-        p.index
-        for p in live
-        if p.phase is PodPhase.RUNNING
-        and p.started_at is not None
-        and p.ran_for(now) >= policy.reset_after_seconds
-    }
-    return [e for e in entries if e.index not in well]
-
-
-def _retry_time(policy: api.PodBackoff, entry: api.IndexBackoff) -> dt.datetime:
-    """When the next pod of the entry's index may be created."""
-    return entry.last_failure_time + dt.timedelta(seconds=policy.delay(entry.failures))
 
 
 def _bookkeeping(
@@ -697,77 +650,6 @@ def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
     ]
 
 
-def _backoff_waiting(
-    job: api.DDPJob, status: DDPJobStatus, index: int, now: dt.datetime
-) -> PodWaiting | None:
-    """Pod ``index`` waits for its back-off (``spec.podBackoff``): why, and until when."""
-    entry = next((e for e in status.pod_backoff if e.index == index), None)
-    if entry is None:
-        return None
-    retry = _retry_time(job.spec.pod_backoff, entry)
-    left = (retry - now).total_seconds()
-    if left <= 0:
-        return None
-    last = next((f for f in reversed(status.failures) if f.index == index), None)
-    what = "pods never started" if last is not None and not last.started else "pods failed"
-    why = f"{last.reason}" + (f": {last.message}" if last.message else "") if last else "?"
-    return PodWaiting(
-        pod=builders.pod_name(job.name, index),
-        reason="BackOff",
-        message=(
-            f"its last {entry.failures} {what} in a row (last: {why}); the next one is created "
-            f"in {left:.0f}s"
-        )[:500],
-        index=index,
-        retry_time=retry,
-    )
-
-
-def _backoff_events(
-    job: api.DDPJob,
-    failures: Sequence[PodFailure],
-    status: DDPJobStatus,
-    now: dt.datetime,
-    completing: bool,
-) -> list[Event]:
-    """One event per back-off that this pass's failures started (at most
-    :data:`MAX_EVENT_PODS`, then one for the rest): the failures are counted once, so each
-    back-off is told once, however many passes it lasts. None once the job is completing
-    (nothing is re-created)."""
-    if completing:
-        return []
-    policy = job.spec.pod_backoff
-    entries = {e.index: e for e in status.pod_backoff}
-    started: list[tuple[api.IndexBackoff, dt.datetime]] = []
-    for index in sorted({f.index for f in failures if f.delays_next_pod}):
-        entry = entries.get(index)
-        if entry is not None and _retry_time(policy, entry) > now:
-            started.append((entry, _retry_time(policy, entry)))
-    events = []
-    for entry, retry in started[:MAX_EVENT_PODS]:
-        delay = policy.delay(entry.failures)
-        events.append(
-            Event(
-                "Warning",
-                "BackOff",
-                f"pod {builders.pod_name(job.name, entry.index)} is re-created in "
-                f"{(retry - now).total_seconds():.0f}s, at {retry:%Y-%m-%dT%H:%M:%SZ}: back-off "
-                f"{delay:g}s after {entry.failures} failures of its index in a row "
-                f"(spec.podBackoff)",
-            )
-        )
-    rest = started[MAX_EVENT_PODS:]
-    if rest:
-        events.append(
-            Event(
-                "Warning",
-                "BackOff",
-                f"{len(rest)} more pods back off (indices {some([str(e.index) for e, _ in rest])})",
-            )
-        )
-    return events
-
-
 @dataclasses.dataclass
 class _Plan:
     """What the running job needs, and what holds some of it back."""
@@ -817,10 +699,10 @@ def _run_actions(
         if i in held:
             plan.waiting.append(_held(held[i]))
             continue
-        backoff = _backoff_waiting(job, status, i, now)
-        if backoff is not None and backoff.retry_time is not None:
-            plan.due = _sooner(plan.due, (backoff.retry_time - now).total_seconds())
-            plan.waiting.append(backoff)
+        backing_off = backoff.waiting_for(job, status, i, now)
+        if backing_off is not None and backing_off.retry_time is not None:
+            plan.due = _sooner(plan.due, (backing_off.retry_time - now).total_seconds())
+            plan.waiting.append(backing_off)
             continue
         pod = builders.build_pod(
             job,
@@ -1060,7 +942,7 @@ def reconcile(
     accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
     actions += removals + _release_foreign(foreign)
     events += [
-        *_backoff_events(job, new_failures, status, now, completing),
+        *backoff.events(job, new_failures, status, now, completing),
         *pods_changed(
             spec.replicas,
             [a.name for a in actions if isinstance(a, CreatePod)],
