@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from ddpjob_operator import agents, api, builders, queue
+from ddpjob_operator import agents, api, builders, gang, queue
 from ddpjob_operator.errors import SpecError
 from ddpjob_operator.kube import ApiError, ConflictError, KubeApi, controller_uid
 from ddpjob_operator.metrics import Metrics
@@ -62,9 +62,6 @@ CONCURRENCY = 16
 SERVED_CHECK_SECONDS = 300.0
 """How long the answer to "does the cluster serve PodGroups (or Kueue's Workloads)?" is kept
 (asked only for jobs that want a gang, or name a queue)."""
-POD_GROUP_RECHECK_SECONDS = 30.0
-"""While pods of a gang wait unbound, the job's PodGroup is posted again this often: a group
-someone deleted is made again (pods that name a missing group are never scheduled)."""
 QUEUE_POLL_SECONDS = 2.0
 """How often a Kueue job's Workloads are read while it waits on Kueue (to be admitted, for a
 bigger slice, or to give back an evicted one's quota)."""
@@ -201,8 +198,8 @@ class Controller:
         self._in_flight: dict[Key, _Pass] = {}
         self._policies: set[Key] = set()
         self._store_keys: set[Key] = set()
-        self._pod_groups: dict[Key, tuple[int, float]] = {}
-        """The minCount of each job's PodGroup as last made or set, and when."""
+        self._pod_groups: dict[Key, gang.Posted] = {}
+        """Each job's PodGroup as last made or resized."""
         self._served: _Kept[bool] = _Kept(SERVED_CHECK_SECONDS)
         """Whether the cluster serves PodGroups, and Kueue's Workloads (discovery)."""
         self._flavors: _Kept[JSON | None] = _Kept(FLAVOR_SECONDS)
@@ -366,7 +363,7 @@ class Controller:
                 expected,
                 self._network_policy(key, job, afresh),
                 self._store_key_secret(key, job, afresh),
-                self._pod_group(key, job, served, seen),
+                gang.to_post(job, served, self._pod_groups.get(key), seen, time.monotonic()),
                 kueue.actions if kueue is not None else (),
             )
         except ActionsFailedError as exc:
@@ -609,22 +606,6 @@ class Controller:
         self._priorities[key] = priority
         return priority
 
-    def _pod_group(
-        self, key: Key, job: api.DDPJob, served: bool | None, seen: Iterable[ObservedPod]
-    ) -> JSON | None:
-        """The job's PodGroup, to create (or to set its minCount): when the job wants a gang
-        that this operator has not made yet at this size, or has pods of the gang waiting
-        unbound (then at most every :data:`POD_GROUP_RECHECK_SECONDS`)."""
-        if not served or job.status.phase.is_finished or job.metadata.deletion_timestamp:
-            return None  # ``served`` is None for a job that wants no gang
-        made = self._pod_groups.get(key)
-        if made is not None and made[0] == job.spec.effective_min:
-            name = builders.pod_group_name(job.name)
-            waiting = any(p.pod_group == name and p.node is None and p.live for p in seen)
-            if not waiting or time.monotonic() - made[1] < POD_GROUP_RECHECK_SECONDS:
-                return None
-        return builders.build_pod_group(job)
-
     def _prerequisites(
         self, key: Key, policy: JSON | None, secret: JSON | None, pod_group: JSON | None
     ) -> list[tuple[Any, Callable[[], None]]]:
@@ -647,7 +628,7 @@ class Controller:
             first.append(
                 (
                     self.kube.ensure_pod_group(namespace, pod_group),
-                    lambda: self._pod_groups.__setitem__(key, (size, time.monotonic())),
+                    lambda: self._pod_groups.__setitem__(key, gang.Posted(size, time.monotonic())),
                 )
             )
         return first

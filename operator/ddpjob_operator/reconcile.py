@@ -76,7 +76,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from ddpjob_operator import api, backoff, builders, queue
+from ddpjob_operator import api, backoff, builders, gang, queue
 from ddpjob_operator.api import (
     CleanPodPolicy,
     Condition,
@@ -566,15 +566,7 @@ def _suspend(
             events.append(Event("Normal", reason, f"{queued.message}; {verb} until admitted"))
     conditions = set_condition(conditions, ConditionType.RUNNING, False, reason, "", now)
     conditions = set_condition(conditions, ConditionType.RESTARTING, False, reason, "", now)
-    if any(c.type == ConditionType.GANG_SCHEDULED for c in conditions):
-        conditions = set_condition(
-            conditions,
-            ConditionType.GANG_SCHEDULED,
-            False,
-            reason,
-            "no gang to place until the job runs again",
-            now,
-        )
+    conditions = gang.paused(conditions, reason, now)
     status = status.model_copy(
         update={
             "phase": phase,
@@ -677,7 +669,7 @@ def _run_actions(
 ) -> _Plan:
     """Service, replacements, scale-down (highest index first), then missing pods: not under a
     name another object's pod still holds, nor before its index's back-off is over."""
-    plan = _Plan(actions=[], waiting=[], pod_group=gang_pod_group(job, pod_groups, pods))
+    plan = _Plan(actions=[], waiting=[], pod_group=gang.group_for_new_pods(job, pod_groups, pods))
     if not service:
         plan.actions.append(CreateService(builders.build_service(job)))
     if completing:
@@ -728,64 +720,6 @@ def store_keyed(pods: Iterable[ObservedPod]) -> bool:
     makes), the unkeyed ones win: they are the ones that trained before the upgrade.
     """
     return not any(p.store_keyed is False and not p.phase.terminated for p in pods)
-
-
-def gang_pod_group(
-    job: api.DDPJob, pod_groups: bool | None, pods: Sequence[ObservedPod]
-) -> str | None:
-    """The PodGroup new pods join: the job's own, if it asks for a gang, the cluster serves
-    PodGroups, and no live pod of the job was made without one (a pod the gang does not count
-    would leave the group's newcomers waiting for a minCount they can never reach alone)."""
-    if job.spec.gang_scheduling is not api.GangScheduling.NATIVE or not pod_groups:
-        return None
-    if any(p.pod_group == "" and p.live for p in pods):
-        return None
-    return builders.pod_group_name(job.name)
-
-
-def _gang_condition(
-    conditions: Sequence[Condition],
-    job: api.DDPJob,
-    pod_groups: bool | None,
-    pod_group: str | None,
-    live: Sequence[ObservedPod],
-    now: dt.datetime,
-) -> list[Condition]:
-    """``GangScheduled``, for a job that asks for a gang (others never get it)."""
-    if job.spec.gang_scheduling is not api.GangScheduling.NATIVE or pod_groups is None:
-        return list(conditions)
-    placed, reason, message = _gang_state(job.spec.effective_min, pod_groups, pod_group, live)
-    return set_condition(conditions, ConditionType.GANG_SCHEDULED, placed, reason, message, now)
-
-
-def _gang_state(
-    gang: int, pod_groups: bool, pod_group: str | None, live: Sequence[ObservedPod]
-) -> tuple[bool, str, str]:
-    """(placed, reason, message) of a gang of ``gang`` pods."""
-    if not pod_groups:
-        return (
-            False,
-            "PodGroupsNotServed",
-            f"this cluster serves no {api.POD_GROUP_API} PodGroups (Kubernetes 1.37+ "
-            "with the GenericWorkload feature gate and that API version on): the job runs "
-            "without a gang, its pods placed one by one",
-        )
-    if pod_group is None:
-        return (
-            False,
-            "PodsWithoutGroup",
-            "pods made before the cluster served PodGroups still run: new pods join them "
-            "without a gang (suspend and resume the job to form one)",
-        )
-    bound = sum(p.node is not None for p in live)
-    if bound >= gang:
-        return True, "Placed", f"gang of {gang} placed: {bound} of {len(live)} pods bound"
-    refused = next(
-        (p for p in live if p.node is None and p.waiting_reason == "Unschedulable"), None
-    )
-    if refused is not None:
-        return False, "Unschedulable", f"gang of {gang} cannot be placed: {refused.waiting_message}"
-    return False, "Waiting", f"gang of {gang} waits to be placed: {bound} bound"
 
 
 def _held(pod: ObservedPod) -> PodWaiting:
@@ -949,7 +883,7 @@ def reconcile(
             [a.name for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN],
         ),
     ]
-    conditions = _gang_condition(
+    conditions = gang.condition(
         _running_conditions(
             status.conditions, phase, completing, running, desired, spec.effective_min, waiting, now
         ),
