@@ -109,8 +109,6 @@ INVALID_SPEC = "InvalidSpec"
 """The condition (and reason) of a spec the operator cannot parse; never terminal."""
 DEFERRED_REQUEUE = 1.0
 """Seconds until the next pass when this one left work for it (the per-pass bounds)."""
-UNBOUNDED = 1 << 30
-"""More pods than any job asks for (no bound)."""
 STRANDED_AFTER_SECONDS = 30.0
 """How long a completing job still waits for its pods that are not ready after its first pod
 succeeded: a member of the last round may still be on its way out (a pod succeeds after the
@@ -819,7 +817,9 @@ def reconcile(
     if status.phase.is_finished:
         return _also(_release_foreign(foreign), _finished(job, pods, status, now, events))
 
-    desired = min(desired_replicas(spec), observed.queue.count if observed.queue else UNBOUNDED)
+    desired = min(
+        desired_replicas(spec), observed.queue.count if observed.queue else queue.UNBOUNDED
+    )
     room = max(0, MAX_NEW_ACCOUNTED - len(status.accounted_pods))
     buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
     room -= len(buckets.uncounted)
