@@ -6,7 +6,7 @@ named like the job, ``minCount`` = ``minReplicas``) before any pod, and every ne
 unless the cluster does not serve PodGroups or pods made without one still run. The controller
 posts the group (:func:`to_post`) and the reconciler decides which group new pods join
 (:func:`group_for_new_pods`) and what the condition says (:func:`condition`; :func:`paused`
-while the job is suspended or held by Kueue).
+while the job is suspended or held by Kueue, :func:`ended` once it is over).
 """
 
 from __future__ import annotations
@@ -74,11 +74,15 @@ def condition(
     served: bool | None,
     group: str | None,
     live: Sequence[ObservedPod],
+    completing: bool,
     now: dt.datetime,
 ) -> list[Condition]:
     """``GangScheduled`` of a running job that asks for a gang (others never get it); ``group``:
-    the one its new pods join (:func:`group_for_new_pods`)."""
-    if job.spec.gang_scheduling is not api.GangScheduling.NATIVE or served is None:
+    the one its new pods join (:func:`group_for_new_pods`). Once a pod has succeeded
+    (``completing``) nothing is placed any more: the condition keeps its last word until the
+    job ends (:func:`ended`), instead of counting the last pods still on their way out."""
+    gang = job.spec.gang_scheduling is api.GangScheduling.NATIVE
+    if not gang or served is None or completing:
         return list(conditions)
     placed, reason, message = _state(job.spec.effective_min, served, group, live)
     return set_condition(conditions, ConditionType.GANG_SCHEDULED, placed, reason, message, now)
@@ -116,13 +120,22 @@ def _state(
 
 def paused(conditions: Sequence[Condition], reason: str, now: dt.datetime) -> list[Condition]:
     """A job that was said to be a gang, suspended or held by Kueue (``reason``): no gang."""
+    return _no_gang(conditions, reason, "no gang to place until the job runs again", now)
+
+
+def ended(
+    conditions: Sequence[Condition], phase: api.JobPhase, now: dt.datetime
+) -> list[Condition]:
+    """A finished job that was said to be a gang: its end, not a placement nobody wants any
+    more (whatever its last pods were doing, or a suspend before the end)."""
+    return _no_gang(
+        conditions, phase.value, f"no gang to place: the job {phase.value.lower()}", now
+    )
+
+
+def _no_gang(
+    conditions: Sequence[Condition], reason: str, message: str, now: dt.datetime
+) -> list[Condition]:
     if not any(c.type == ConditionType.GANG_SCHEDULED for c in conditions):
         return list(conditions)
-    return set_condition(
-        conditions,
-        ConditionType.GANG_SCHEDULED,
-        False,
-        reason,
-        "no gang to place until the job runs again",
-        now,
-    )
+    return set_condition(conditions, ConditionType.GANG_SCHEDULED, False, reason, message, now)

@@ -486,6 +486,7 @@ def _finished(
     actions += stuck + _release_all(pods)
     status = status.model_copy(
         update={
+            "conditions": gang.ended(status.conditions, status.phase, now),
             "replicas": sum(p.live for p in pods),
             "accounted_pods": [],
             "waiting": [],
@@ -891,6 +892,7 @@ def reconcile(
         observed.pod_groups,
         plan.pod_group,
         live,
+        completing,
         now,
     )
     conditions = _admitted_condition(conditions, observed.queue, now)

@@ -178,6 +178,76 @@ def test_a_suspended_gang_is_no_longer_said_to_be_placed() -> None:
     assert gang_condition(run(plain)) is None
 
 
+def then(job: api.DDPJob, decision: Decision | None, **spec: Any) -> api.DDPJob:
+    """The job after the executor's status write, if any (with ``spec`` changed, if given)."""
+    status = job.status if decision is None else decision.status
+    job = make_job(**{**FULL, **spec}) if spec else job
+    return job.model_copy(update={"status": status})
+
+
+FULL = {"replicas": 3, "minReplicas": 3, "maxReplicas": 3}
+SUCCEEDED = PodPhase.SUCCEEDED
+ENDED = "no gang to place: the job {}"
+
+
+def test_a_finished_gang_says_the_job_ended_not_where_its_last_pods_were() -> None:
+    """A gang of 3 whose pods succeed one after another: while it completes nothing is placed
+    any more (the condition keeps its last word), and once it has succeeded the condition says
+    so, not "gang of 3 waits to be placed: 1 bound" (the last pod still running)."""
+    job = make_job(**FULL)
+    placed = run(job, pod(0), pod(1), pod(2))
+    assert gang_condition(placed) == ("True", "Placed", "gang of 3 placed: 3 of 3 pods bound")
+    job = then(job, placed)
+    completing = run(job, pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2))
+    assert gang_condition(completing) == gang_condition(placed)
+    job = then(job, completing)
+    ended = run(job, pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2, SUCCEEDED))
+    assert ended.status.phase is api.JobPhase.SUCCEEDED
+    assert gang_condition(ended) == ("False", "Succeeded", ENDED.format("succeeded"))
+    # The finished job's next passes leave its status as it is (no write).
+    job = then(job, ended)
+    assert run(job, pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2, SUCCEEDED)).status == job.status
+
+
+def test_a_failed_gang_says_the_job_ended() -> None:
+    job = make_job(**FULL, restartPolicy="Never")
+    job = then(job, run(job, pod(0), pod(1), pod(2)))
+    ended = run(job, pod(0), pod(1), pod(2, PodPhase.FAILED, exit_code=1))
+    assert ended.status.phase is api.JobPhase.FAILED
+    assert gang_condition(ended) == ("False", "Failed", ENDED.format("failed"))
+
+
+def test_a_gang_suspended_while_completing_says_it_ended_once_resumed() -> None:
+    job = make_job(**FULL)
+    job = then(job, run(job, pod(0), pod(1), pod(2)))
+    job = then(job, run(job, pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2)))
+    suspended = run(then(job, None, suspend=True), pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2))
+    assert gang_condition(suspended) == (
+        "False",
+        "Suspended",
+        "no gang to place until the job runs again",
+    )
+    resumed = run(then(job, suspended, suspend=False), pod(0, SUCCEEDED), pod(1, SUCCEEDED))
+    assert resumed.status.phase is api.JobPhase.SUCCEEDED
+    assert gang_condition(resumed) == ("False", "Succeeded", ENDED.format("succeeded"))
+
+
+def test_a_job_an_older_operator_finished_loses_its_stale_gang_condition() -> None:
+    stale = api.set_condition(
+        [],
+        api.ConditionType.GANG_SCHEDULED,
+        False,
+        "Waiting",
+        "gang of 3 waits to be placed: 1 bound",
+        T0,
+    )
+    job = make_job(**FULL).model_copy(
+        update={"status": api.DDPJobStatus(phase=api.JobPhase.SUCCEEDED, conditions=stale)}
+    )
+    decision = run(job, pod(0, SUCCEEDED))
+    assert gang_condition(decision) == ("False", "Succeeded", ENDED.format("succeeded"))
+
+
 def test_without_the_api_the_job_runs_without_a_gang_and_says_why() -> None:
     decision = run(make_job(), served=False)
     assert groups(decision) == {0: None, 1: None, 2: None}
