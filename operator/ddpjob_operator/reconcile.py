@@ -437,14 +437,40 @@ def _cleanup(pods: Sequence[ObservedPod], policy: CleanPodPolicy) -> list[Action
     ]
 
 
+def _success(
+    succeeded: Sequence[ObservedPod], live: Sequence[ObservedPod], now: dt.datetime
+) -> tuple[_Verdict | None, float | None]:
+    """A completing job's success: once no pod is live, or once the only live pods are not
+    ready ``STRANDED_AFTER_SECONDS`` after the first pod succeeded (they can never join a
+    round: the last round is over, whichever pod hosted its store). Else no verdict, and the
+    seconds until that check is due (``None`` when it never will be: no succeeded pod's end is
+    known, or a live pod is ready)."""
+    if not live:
+        return _Verdict(
+            JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully"
+        ), None
+    ends = [p.finished_at for p in succeeded if p.finished_at is not None]
+    if not ends or any(p.ready for p in live):
+        return None, None
+    left = STRANDED_AFTER_SECONDS - (now - min(ends)).total_seconds()
+    if left > 0:
+        return None, left
+    names = ", ".join(p.name for p in live)
+    message = (
+        f"the last round succeeded; {names} never joined it and no longer can (its store is "
+        f"gone with it): left to cleanPodPolicy"
+    )
+    return _Verdict(JobPhase.SUCCEEDED, "Succeeded", message), None
+
+
 def _finish(
     job: api.DDPJob,
     pods: Sequence[ObservedPod],
     status: DDPJobStatus,
     verdict: _Verdict,
     now: dt.datetime,
-    events: list[Event],
 ) -> Decision:
+    """The verdict: the job's phase and conditions say it, and so does an event."""
     conditions = set_condition(
         status.conditions,
         ConditionType(verdict.phase.value),
@@ -469,8 +495,9 @@ def _finish(
     kind: Literal["Normal", "Warning"] = (
         "Normal" if verdict.phase is JobPhase.SUCCEEDED else "Warning"
     )
-    events.append(Event(kind, verdict.reason, verdict.message))
-    return _finished(job, pods, status, now, events)
+    return _told_first(
+        [Event(kind, verdict.reason, verdict.message)], _finished(job, pods, status, now)
+    )
 
 
 def _finished(
@@ -478,7 +505,6 @@ def _finished(
     pods: Sequence[ObservedPod],
     status: DDPJobStatus,
     now: dt.datetime,
-    events: list[Event],
 ) -> Decision:
     """After the verdict: clean up, release every finalizer, honour the TTL."""
     actions = _cleanup(pods, job.spec.clean_pod_policy)
@@ -500,7 +526,109 @@ def _finished(
             actions.append(DeleteJob())
         else:
             requeue = _sooner(requeue, (expires - now).total_seconds())
-    return Decision(tuple(actions), status, tuple(events), requeue)
+    return Decision(tuple(actions), status, (), requeue)
+
+
+# ---- the pass ------------------------------------------------------------------------------------
+
+
+def reconcile(
+    job: api.DDPJob,
+    observed: Observed,
+    now: dt.datetime,
+    network: builders.Network = builders.CLUSTER,
+    default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
+) -> Decision:
+    """Decide what the job needs now. Pure and deterministic."""
+    status = job.status.model_copy(
+        update={
+            "observed_generation": job.metadata.generation,
+            "selector": api.job_selector(job.name),
+        }
+    )
+    if job.metadata.deletion_timestamp is not None:
+        return _being_deleted(observed.pods, status)
+    status = _spec_parses(status, now)
+    this = _Pass.start(job, observed, status, now, network, default_profile)
+    if status.phase.is_finished:
+        decision = _finished(job, this.pods, status, now)
+    else:
+        decision = _unfinished(this, status)
+    # Our finalizer on a pod that is not this job's: its own job is gone, nobody counts it.
+    return _also(
+        decision, [RemoveFinalizer(p.name, p.uid, p.index) for p in this.foreign if p.tracked]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """What the rules of one pass read: the job, what was seen of it (the pods sorted once),
+    the clock, and how its pods are built."""
+
+    job: api.DDPJob
+    observed: Observed
+    now: dt.datetime
+    network: builders.Network
+    default_profile: api.SecurityProfile
+    pods: tuple[ObservedPod, ...]
+    """The job's own pods."""
+    foreign: tuple[ObservedPod, ...]
+    """Pods under the job's pod names whose controller is another object, or none."""
+    desired: int
+    """The pods the spec asks for, at most as many as Kueue admits."""
+    buckets: Buckets
+    room: int
+    """Uids the pass may still add to ``accountedPods`` once it has counted (the bound)."""
+
+    @classmethod
+    def start(
+        cls,
+        job: api.DDPJob,
+        observed: Observed,
+        status: DDPJobStatus,
+        now: dt.datetime,
+        network: builders.Network,
+        default_profile: api.SecurityProfile,
+    ) -> _Pass:
+        pods = tuple(p for p in observed.pods if p.owned_by(job.metadata.uid))
+        foreign = tuple(p for p in observed.pods if not p.owned_by(job.metadata.uid))
+        admitted = observed.queue.count if observed.queue else queue.UNBOUNDED
+        desired = min(desired_replicas(job.spec), admitted)
+        room = max(0, MAX_NEW_ACCOUNTED - len(status.accounted_pods))
+        buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
+        room -= len(buckets.uncounted)
+        return cls(
+            job, observed, now, network, default_profile, pods, foreign, desired, buckets, room
+        )
+
+
+def _unfinished(this: _Pass, status: DDPJobStatus) -> Decision:
+    """Count every pod that ended, then hold the job (suspended, or queued by Kueue) or run it."""
+    status, failures = _account(this.job, this.buckets, status, this.now)
+    told = failure_events(this.job, failures, status)
+    admission = this.observed.queue
+    if this.job.spec.suspend:
+        # A job that is not (or no longer) a Kueue job has no Admitted condition.
+        unqueued = status if admission is not None else _without_admitted(status)
+        return _told_first(told, _suspend(this, unqueued))
+    status, resumed = _resumed(status, admission, this.now)
+    if admission is not None and admission.count == 0:
+        return _told_first(told + resumed, _suspend(this, status, admission))
+    return _told_first(told + resumed, _run(this, status, failures))
+
+
+def _being_deleted(pods: Sequence[ObservedPod], status: DDPJobStatus) -> Decision:
+    """The DDPJob has a deletionTimestamp: create nothing, let go of the pods."""
+    return Decision(tuple(_release_all(pods)), status.model_copy(update={"accounted_pods": []}))
+
+
+def _told_first(events: Sequence[Event], decision: Decision) -> Decision:
+    """The decision, with ``events`` (of the pass's earlier rules) before its own."""
+    return dataclasses.replace(decision, events=(*events, *decision.events))
+
+
+def _also(decision: Decision, actions: Sequence[Action]) -> Decision:
+    return dataclasses.replace(decision, actions=decision.actions + tuple(actions))
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:
@@ -509,30 +637,43 @@ def _sooner(a: float | None, b: float | None) -> float | None:
     return a if b is None else min(a, b)
 
 
-# ---- the pass ------------------------------------------------------------------------------------
+def _spec_parses(status: DDPJobStatus, now: dt.datetime) -> DDPJobStatus:
+    """The spec parses (reconcile runs): clear an InvalidSpec condition, and take up a job an
+    older operator marked Failed only for an invalid spec (that was never terminal)."""
+    conditions = list(status.conditions)
+    if condition_true(conditions, ConditionType.INVALID_SPEC):
+        conditions = set_condition(
+            conditions, ConditionType.INVALID_SPEC, False, "SpecValid", "", now
+        )
+    failed = next((c for c in conditions if c.type == ConditionType.FAILED), None)
+    update: dict[str, Any] = {"conditions": conditions}
+    if (
+        status.phase is JobPhase.FAILED
+        and failed is not None
+        and failed.status == "True"
+        and failed.reason == INVALID_SPEC
+    ):
+        update["conditions"] = set_condition(
+            conditions, ConditionType.FAILED, False, "SpecValid", "", now
+        )
+        update["phase"] = JobPhase.PENDING
+        update["completion_time"] = None
+    if update["conditions"] == list(status.conditions) and len(update) == 1:
+        return status
+    return status.model_copy(update=update)
 
 
-def _being_deleted(job: api.DDPJob, pods: Sequence[ObservedPod], status: DDPJobStatus) -> Decision:
-    """The DDPJob has a deletionTimestamp: create nothing, let go of the pods."""
-    return Decision(tuple(_release_all(pods)), status.model_copy(update={"accounted_pods": []}))
+# ---- suspended, or held by Kueue -----------------------------------------------------------------
 
 
-def _suspend(
-    job: api.DDPJob,
-    pods: Sequence[ObservedPod],
-    buckets: Buckets,
-    status: DDPJobStatus,
-    now: dt.datetime,
-    events: list[Event],
-    room: int,
-    queued: queue.Admission | None = None,
-) -> Decision:
+def _suspend(this: _Pass, status: DDPJobStatus, queued: queue.Admission | None = None) -> Decision:
     """Delete every pod that holds resources (or failed); keep Succeeded ones: a completing job
     stays completing. A failed pod is deleted only once it is counted.
 
     ``queued``: not suspended, but held by Kueue (not admitted, or evicted): the same, in phase
     ``Queued``, and the pods' deletions are never charged either."""
-    deferred = {p.uid for p in buckets.deferred}
+    pods, now = this.pods, this.now
+    deferred = {p.uid for p in this.buckets.deferred}
     doomed = [
         p
         for p in pods
@@ -544,25 +685,26 @@ def _suspend(
     wanted: list[Action] = [
         DeletePod(p.name, p.uid, p.index, why) for p in sorted(doomed, key=lambda p: -p.index)
     ]
-    actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), room)
-    stuck, requeue = _force_stuck(job, pods, now)
+    actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), this.room)
+    stuck, requeue = _force_stuck(this.job, pods, now)
     if held_back or deferred:
         requeue = _sooner(requeue, DEFERRED_REQUEUE)
     actions += stuck
-    accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
+    accounted, removals = _bookkeeping(pods, status, this.buckets.uncounted, actions)
+    told: list[Event] = []
     if queued is None:
         phase, reason = JobPhase.SUSPENDED, "Suspended"
         conditions = set_condition(
             status.conditions, ConditionType.SUSPENDED, True, reason, "spec.suspend is true", now
         )
         if status.phase is not phase:
-            events.append(Event("Normal", reason, "job suspended; deleting its pods"))
+            told.append(Event("Normal", reason, "job suspended; deleting its pods"))
     else:
         phase, reason = JobPhase.QUEUED, queued.reason
         conditions = _admitted_condition(status.conditions, queued, now)
         if status.phase is not phase:
             verb = "deleting its pods" if any(p.live for p in pods) else "no pod is made"
-            events.append(Event("Normal", reason, f"{queued.message}; {verb} until admitted"))
+            told.append(Event("Normal", reason, f"{queued.message}; {verb} until admitted"))
     conditions = set_condition(conditions, ConditionType.RUNNING, False, reason, "", now)
     conditions = set_condition(conditions, ConditionType.RESTARTING, False, reason, "", now)
     conditions = gang.paused(conditions, reason, now)
@@ -580,7 +722,24 @@ def _suspend(
             "accounted_pods": accounted,
         }
     )
-    return Decision(tuple(actions + removals), status, tuple(events), requeue)
+    return Decision(tuple(actions + removals), status, tuple(told), requeue)
+
+
+def _resumed(
+    status: DDPJobStatus, admission: queue.Admission | None, now: dt.datetime
+) -> tuple[DDPJobStatus, list[Event]]:
+    """Out of ``Suspended`` (spec.suspend is false again), or of ``Queued`` (Kueue admits)."""
+    told: list[Event] = []
+    if status.phase is JobPhase.SUSPENDED:
+        told.append(Event("Normal", "Resumed", "job resumed"))
+        conditions = set_condition(
+            status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
+        )
+        status = status.model_copy(update={"phase": JobPhase.PENDING, "conditions": conditions})
+    if status.phase is JobPhase.QUEUED and admission is not None and admission.count > 0:
+        told.append(Event("Normal", "Admitted", admission.message))
+        status = status.model_copy(update={"phase": JobPhase.PENDING})
+    return status, told
 
 
 def _without_admitted(status: DDPJobStatus) -> DDPJobStatus:
@@ -605,40 +764,78 @@ def _admitted_condition(
     )
 
 
-def _world_size(job: api.DDPJob, live: Sequence[ObservedPod]) -> int:
-    reported = [p.world_size for p in live if p.world_size is not None]
-    if reported:
-        return max(reported)
-    return sum(p.ready for p in live) * builders.nproc_per_node(job.spec)
+# ---- a running job -------------------------------------------------------------------------------
 
 
-def _store_host(live: Sequence[ObservedPod]) -> str | None:
-    """The live pod whose agent says it hosts the store; of two (an old host that has not yet
-    heard that it was superseded), the one of the newer generation."""
-    hosts = [p for p in live if p.store_host]
-    if not hosts:
-        return None
-    return max(hosts, key=lambda p: (p.store_gen, -p.index)).name
+def _run(this: _Pass, status: DDPJobStatus, failures: Sequence[PodFailure]) -> Decision:
+    """The job runs: its Service and pods as the spec and its failures ask, or its verdict."""
+    job, now, buckets = this.job, this.now, this.buckets
+    live = buckets.live
+    status = status.model_copy(update={"start_time": status.start_time or now})
+    running = sum(p.phase is PodPhase.RUNNING for p in live)
+    completing = status.succeeded > 0 or bool(buckets.succeeded)
+    phase = _phase(completing, running, job.spec.effective_min, status.conditions)
+    plan = _run_actions(this, status, completing)
+    waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
+    shown = waiting[:MAX_WAITING]
+    told = waiting_events(status.waiting, shown)
+    # The below-minReplicas clock runs only once the job has run (Restarting): pods that never
+    # started (slow image pulls, nodes still being provisioned) are reported, not timed out.
+    below_since = (status.below_min_since or now) if phase is JobPhase.RESTARTING else None
+    status = status.model_copy(update={"below_min_since": below_since, "waiting": shown})
 
+    verdict = _failure_verdict(job, failures, status, now, running, waiting)
+    success, stranded_due = _success(buckets.succeeded, live, now) if completing else (None, None)
+    verdict = verdict or success
+    if verdict is not None:
+        return _told_first(told, _finish(job, this.pods, status, verdict, now))
 
-def _phase(
-    completing: bool, running: int, minimum: int, conditions: Sequence[Condition]
-) -> JobPhase:
-    if completing or running >= minimum:
-        return JobPhase.RUNNING
-    if condition_true(conditions, ConditionType.RUNNING) or condition_true(
-        conditions, ConditionType.RESTARTING
-    ):
-        return JobPhase.RESTARTING
-    return JobPhase.PENDING
-
-
-def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
-    return [
-        PodWaiting(pod=p.name, reason=p.waiting_reason, message=p.waiting_message)
-        for p in live
-        if p.waiting_reason is not None
+    actions, deferred = _limit_deletes(
+        plan.actions, this.pods, set(status.accounted_pods), this.room
+    )
+    stuck, stuck_due = _force_stuck(job, this.pods, now)
+    actions += stuck
+    accounted, removals = _bookkeeping(this.pods, status, buckets.uncounted, actions)
+    actions += removals
+    told += [
+        *backoff.events(job, failures, status, now, completing),
+        *pods_changed(
+            job.spec.replicas,
+            [a.name for a in actions if isinstance(a, CreatePod)],
+            [a.name for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN],
+        ),
+        *phase_events(status.phase, phase, running, this.desired),
     ]
+    conditions = _running_conditions(
+        status.conditions,
+        phase,
+        completing,
+        running,
+        this.desired,
+        job.spec.effective_min,
+        waiting,
+        now,
+    )
+    conditions = gang.condition(
+        conditions, job, this.observed.pod_groups, plan.pod_group, live, completing, now
+    )
+    conditions = _admitted_condition(conditions, this.observed.queue, now)
+    status = status.model_copy(
+        update={
+            "phase": phase,
+            "conditions": conditions,
+            "replicas": len(live),
+            "ready_replicas": sum(p.ready for p in live),
+            "world_size": _world_size(job, live),
+            "store_host": _store_host(live),
+            "accounted_pods": accounted,
+        }
+    )
+    requeue = _sooner(_sooner(_requeue(job, status, now), stuck_due), plan.due)
+    requeue = _sooner(requeue, stranded_due)
+    if deferred or buckets.deferred:
+        requeue = _sooner(requeue, DEFERRED_REQUEUE)
+    return Decision(tuple(actions), status, tuple(told), requeue)
 
 
 @dataclasses.dataclass
@@ -651,40 +848,31 @@ class _Plan:
     due: float | None = None
 
 
-def _run_actions(
-    job: api.DDPJob,
-    pods: Sequence[ObservedPod],
-    foreign: Sequence[ObservedPod],
-    buckets: Buckets,
-    service: bool,
-    completing: bool,
-    status: DDPJobStatus,
-    now: dt.datetime,
-    network: builders.Network,
-    default_profile: api.SecurityProfile,
-    desired: int,
-    pod_groups: bool | None = None,
-    admission: queue.Admission | None = None,
-) -> _Plan:
+def _run_actions(this: _Pass, status: DDPJobStatus, completing: bool) -> _Plan:
     """Service, replacements, scale-down (highest index first), then missing pods: not under a
     name another object's pod still holds, nor before its index's back-off is over."""
-    plan = _Plan(actions=[], waiting=[], pod_group=gang.group_for_new_pods(job, pod_groups, pods))
-    if not service:
+    job, pods, now = this.job, this.pods, this.now
+    group = gang.group_for_new_pods(job, this.observed.pod_groups, pods)
+    plan = _Plan(actions=[], waiting=[], pod_group=group)
+    if not this.observed.service:
         plan.actions.append(CreateService(builders.build_service(job)))
     if completing:
         return plan  # nothing is created or replaced once a pod has succeeded
     present = {p.index for p in pods}
-    plan.actions += [DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in buckets.failed]
+    plan.actions += [
+        DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in this.buckets.failed
+    ]
     plan.actions += [
         DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
-        for p in sorted(buckets.surplus, key=lambda p: -p.index)
+        for p in sorted(this.buckets.surplus, key=lambda p: -p.index)
     ]
-    held = {p.index: p for p in foreign}
+    held = {p.index: p for p in this.foreign}
     keyed = store_keyed(pods)
+    admission = this.observed.queue
     placement = admission.placement if admission is not None else None
     if admission is not None and placement is None:
         return plan  # admitted to flavors that could not be read: no pod until they are
-    for i in range(desired):
+    for i in range(this.desired):
         if i in present:
             continue
         if i in held:
@@ -698,8 +886,8 @@ def _run_actions(
         pod = builders.build_pod(
             job,
             i,
-            network,
-            default_profile,
+            this.network,
+            this.default_profile,
             store_key=keyed,
             pod_group=plan.pod_group,
             placement=placement,
@@ -736,11 +924,6 @@ def _held(pod: ObservedPod) -> PodWaiting:
     return PodWaiting(pod=pod.name, reason="NameInUse", message=why)
 
 
-def _release_foreign(foreign: Sequence[ObservedPod]) -> list[Action]:
-    """Our finalizer on a pod that is not this job's: its own job is gone, nobody counts it."""
-    return [RemoveFinalizer(p.name, p.uid, p.index) for p in foreign if p.tracked]
-
-
 def _limit_deletes(
     actions: Sequence[Action], pods: Sequence[ObservedPod], accounted: set[str], room: int
 ) -> tuple[list[Action], bool]:
@@ -757,6 +940,31 @@ def _limit_deletes(
             room -= 1
         kept.append(action)
     return kept, deferred
+
+
+def _phase(
+    completing: bool, running: int, minimum: int, conditions: Sequence[Condition]
+) -> JobPhase:
+    if completing or running >= minimum:
+        return JobPhase.RUNNING
+    if condition_true(conditions, ConditionType.RUNNING) or condition_true(
+        conditions, ConditionType.RESTARTING
+    ):
+        return JobPhase.RESTARTING
+    return JobPhase.PENDING
+
+
+def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
+    return [
+        PodWaiting(pod=p.name, reason=p.waiting_reason, message=p.waiting_message)
+        for p in live
+        if p.waiting_reason is not None
+    ]
+
+
+def _index_in(job: api.DDPJob, pod_name: str) -> int:
+    suffix = pod_name.removeprefix(builders.pod_name(job.name, 0)[:-1])
+    return int(suffix) if suffix.isdigit() else 0
 
 
 def _running_conditions(
@@ -794,202 +1002,20 @@ def _running_conditions(
     )
 
 
-def reconcile(
-    job: api.DDPJob,
-    observed: Observed,
-    now: dt.datetime,
-    network: builders.Network = builders.CLUSTER,
-    default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
-) -> Decision:
-    """Decide what the job needs now. Pure and deterministic."""
-    spec = job.spec
-    pods = tuple(p for p in observed.pods if p.owned_by(job.metadata.uid))
-    foreign = tuple(p for p in observed.pods if not p.owned_by(job.metadata.uid))
-    status = job.status.model_copy(
-        update={
-            "observed_generation": job.metadata.generation,
-            "selector": api.job_selector(job.name),
-        }
-    )
-    events: list[Event] = []
-    if job.metadata.deletion_timestamp is not None:
-        return _being_deleted(job, observed.pods, status)
-    status = _spec_parses(status, now)
-    if status.phase.is_finished:
-        return _also(_release_foreign(foreign), _finished(job, pods, status, now, events))
-
-    desired = min(
-        desired_replicas(spec), observed.queue.count if observed.queue else queue.UNBOUNDED
-    )
-    room = max(0, MAX_NEW_ACCOUNTED - len(status.accounted_pods))
-    buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
-    room -= len(buckets.uncounted)
-    status, new_failures = _account(job, buckets, status, now)
-    events += failure_events(job, new_failures, status)
-
-    if spec.suspend:
-        # A job that is not (or no longer) a Kueue job has no Admitted condition.
-        unqueued = status if observed.queue is not None else _without_admitted(status)
-        suspended = _suspend(job, pods, buckets, unqueued, now, events, room)
-        return _also(_release_foreign(foreign), suspended)
-    status = _resumed(status, observed.queue, now, events)
-    if observed.queue is not None and observed.queue.count == 0:
-        queued = _suspend(job, pods, buckets, status, now, events, room, observed.queue)
-        return _also(_release_foreign(foreign), queued)
-    status = status.model_copy(update={"start_time": status.start_time or now})
-
-    live = buckets.live
-    running = sum(p.phase is PodPhase.RUNNING for p in live)
-    completing = status.succeeded > 0 or bool(buckets.succeeded)
-    phase = _phase(completing, running, spec.effective_min, status.conditions)
-    plan = _run_actions(
-        job,
-        pods,
-        foreign,
-        buckets,
-        observed.service,
-        completing,
-        status,
-        now,
-        network,
-        default_profile,
-        desired,
-        observed.pod_groups,
-        observed.queue,
-    )
-    waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
-    shown = waiting[:MAX_WAITING]
-    events += waiting_events(status.waiting, shown)
-    # The below-minReplicas clock runs only once the job has run (Restarting): pods that never
-    # started (slow image pulls, nodes still being provisioned) are reported, not timed out.
-    below_since = (status.below_min_since or now) if phase is JobPhase.RESTARTING else None
-    status = status.model_copy(update={"below_min_since": below_since, "waiting": shown})
-
-    verdict = _failure_verdict(job, new_failures, status, now, running, waiting)
-    success, stranded_due = _success(buckets.succeeded, live, now) if completing else (None, None)
-    verdict = verdict or success
-    if verdict is not None:
-        return _also(_release_foreign(foreign), _finish(job, pods, status, verdict, now, events))
-
-    actions, deferred = _limit_deletes(plan.actions, pods, set(status.accounted_pods), room)
-    stuck, stuck_due = _force_stuck(job, pods, now)
-    actions += stuck
-    accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
-    actions += removals + _release_foreign(foreign)
-    events += [
-        *backoff.events(job, new_failures, status, now, completing),
-        *pods_changed(
-            spec.replicas,
-            [a.name for a in actions if isinstance(a, CreatePod)],
-            [a.name for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN],
-        ),
-    ]
-    conditions = gang.condition(
-        _running_conditions(
-            status.conditions, phase, completing, running, desired, spec.effective_min, waiting, now
-        ),
-        job,
-        observed.pod_groups,
-        plan.pod_group,
-        live,
-        completing,
-        now,
-    )
-    conditions = _admitted_condition(conditions, observed.queue, now)
-    events += phase_events(status.phase, phase, running, desired)
-    status = status.model_copy(
-        update={
-            "phase": phase,
-            "conditions": conditions,
-            "replicas": len(live),
-            "ready_replicas": sum(p.ready for p in live),
-            "world_size": _world_size(job, live),
-            "store_host": _store_host(live),
-            "accounted_pods": accounted,
-        }
-    )
-    requeue = _sooner(_sooner(_requeue(job, status, now), stuck_due), plan.due)
-    requeue = _sooner(requeue, stranded_due)
-    if deferred or buckets.deferred:
-        requeue = _sooner(requeue, DEFERRED_REQUEUE)
-    return Decision(tuple(actions), status, tuple(events), requeue)
+def _world_size(job: api.DDPJob, live: Sequence[ObservedPod]) -> int:
+    reported = [p.world_size for p in live if p.world_size is not None]
+    if reported:
+        return max(reported)
+    return sum(p.ready for p in live) * builders.nproc_per_node(job.spec)
 
 
-def _resumed(
-    status: DDPJobStatus, admission: queue.Admission | None, now: dt.datetime, events: list[Event]
-) -> DDPJobStatus:
-    """Out of ``Suspended`` (spec.suspend is false again), or of ``Queued`` (Kueue admits)."""
-    if status.phase is JobPhase.SUSPENDED:
-        events.append(Event("Normal", "Resumed", "job resumed"))
-        conditions = set_condition(
-            status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
-        )
-        status = status.model_copy(update={"phase": JobPhase.PENDING, "conditions": conditions})
-    if status.phase is JobPhase.QUEUED and admission is not None and admission.count > 0:
-        events.append(Event("Normal", "Admitted", admission.message))
-        status = status.model_copy(update={"phase": JobPhase.PENDING})
-    return status
-
-
-def _success(
-    succeeded: Sequence[ObservedPod], live: Sequence[ObservedPod], now: dt.datetime
-) -> tuple[_Verdict | None, float | None]:
-    """A completing job's success: once no pod is live, or once the only live pods are not
-    ready ``STRANDED_AFTER_SECONDS`` after the first pod succeeded (they can never join a
-    round: the last round is over, whichever pod hosted its store). Else no verdict, and the
-    seconds until that check is due (``None`` when it never will be: no succeeded pod's end is
-    known, or a live pod is ready)."""
-    if not live:
-        return _Verdict(
-            JobPhase.SUCCEEDED, "Succeeded", "every pod of the job terminated successfully"
-        ), None
-    ends = [p.finished_at for p in succeeded if p.finished_at is not None]
-    if not ends or any(p.ready for p in live):
-        return None, None
-    left = STRANDED_AFTER_SECONDS - (now - min(ends)).total_seconds()
-    if left > 0:
-        return None, left
-    names = ", ".join(p.name for p in live)
-    message = (
-        f"the last round succeeded; {names} never joined it and no longer can (its store is "
-        f"gone with it): left to cleanPodPolicy"
-    )
-    return _Verdict(JobPhase.SUCCEEDED, "Succeeded", message), None
-
-
-def _also(actions: Sequence[Action], decision: Decision) -> Decision:
-    return dataclasses.replace(decision, actions=decision.actions + tuple(actions))
-
-
-def _index_in(job: api.DDPJob, pod_name: str) -> int:
-    suffix = pod_name.removeprefix(builders.pod_name(job.name, 0)[:-1])
-    return int(suffix) if suffix.isdigit() else 0
-
-
-def _spec_parses(status: DDPJobStatus, now: dt.datetime) -> DDPJobStatus:
-    """The spec parses (reconcile runs): clear an InvalidSpec condition, and take up a job an
-    older operator marked Failed only for an invalid spec (that was never terminal)."""
-    conditions = list(status.conditions)
-    if condition_true(conditions, ConditionType.INVALID_SPEC):
-        conditions = set_condition(
-            conditions, ConditionType.INVALID_SPEC, False, "SpecValid", "", now
-        )
-    failed = next((c for c in conditions if c.type == ConditionType.FAILED), None)
-    update: dict[str, Any] = {"conditions": conditions}
-    if (
-        status.phase is JobPhase.FAILED
-        and failed is not None
-        and failed.status == "True"
-        and failed.reason == INVALID_SPEC
-    ):
-        update["conditions"] = set_condition(
-            conditions, ConditionType.FAILED, False, "SpecValid", "", now
-        )
-        update["phase"] = JobPhase.PENDING
-        update["completion_time"] = None
-    if update["conditions"] == list(status.conditions) and len(update) == 1:
-        return status
-    return status.model_copy(update=update)
+def _store_host(live: Sequence[ObservedPod]) -> str | None:
+    """The live pod whose agent says it hosts the store; of two (an old host that has not yet
+    heard that it was superseded), the one of the newer generation."""
+    hosts = [p for p in live if p.store_host]
+    if not hosts:
+        return None
+    return max(hosts, key=lambda p: (p.store_gen, -p.index)).name
 
 
 def _requeue(job: api.DDPJob, status: DDPJobStatus, now: dt.datetime) -> float | None:
