@@ -18,15 +18,27 @@ uid into ``accountedPods`` *before* the delete, so they are never failures.
 
 Each pass sorts the pods into buckets once (:func:`sort_pods`), as JobSet and the Job controller
 do, and the rules read the buckets. Every classification rule lives in
-:func:`ddpjob_operator.observe.classify`. Rules, in the order they apply:
+:func:`ddpjob_operator.observe.classify`; the back-off in :mod:`~ddpjob_operator.backoff`, the
+gang in :mod:`~ddpjob_operator.gang`, Kueue's side in :mod:`~ddpjob_operator.queue`, the words in
+:mod:`~ddpjob_operator.events`. Rules, in the order they apply:
 
 * A DDPJob being deleted creates nothing; it only releases its pods' finalizers.
+* A job that an older operator marked ``Failed`` only because its spec did not parse
+  (``InvalidSpec``: it was never terminal) is taken up again once the spec parses.
 * A finished job (Succeeded/Failed) only cleans up per ``cleanPodPolicy`` and honours
-  ``ttlSecondsAfterFinished``.
+  ``ttlSecondsAfterFinished``; its ``GangScheduled`` condition, if any, says it ended.
+* Only the job's own pods count: a pod whose controller is another object (an earlier job of
+  the same name, still being deleted) or none is never counted or adopted; its name is not
+  reused until it is gone, and our finalizer, if it has one, is removed (its job is gone).
 * Every ended pod is accounted exactly once with a classified reason, and charged to
   ``backoffLimit`` unless it was a disruption (see :class:`~ddpjob_operator.api.RestartPolicy`).
 * ``suspend`` deletes every pod that holds resources and keeps Succeeded ones; resuming starts
   over at Pending (no condition claims Restarting).
+* A Kueue job (one that names a LocalQueue) runs only as Kueue admits it (``observed.queue``):
+  not admitted, or evicted, it is ``Queued`` as if suspended (its pods deleted uncharged, none
+  made), and its ``Admitted`` condition says why; once admitted it runs at most the admitted
+  count of pods (it caps ``desired``), new pods placed on the admitted flavors (none while a
+  flavor cannot be read). Other jobs never get ``Admitted``.
 * The job fails when the budget is spent, on a permanent exit code (``ExitCode`` policy), on
   any failure (``Never`` policy), when ``activeDeadlineSeconds`` passes, or when, after it has
   run, running pods stay below ``minReplicas`` for longer than ``rendezvous.joinTimeoutSeconds``.
@@ -38,34 +50,30 @@ do, and the rules read the buckets. Every classification rule lives in
   has succeeded can never join a round (the last round is over, whichever pod hosted its store,
   and nothing is re-created): a pod created by a late scale-up or replacement, still waiting to
   join. It is no longer waited for ``STRANDED_AFTER_SECONDS`` after the first pod finished
-  successfully, and the job's cleanup
-  (``cleanPodPolicy``) removes it, instead of it holding its node until its agent's join
-  timeout.
-* Otherwise: create the Service and every missing pod ``0..replicas-1``, delete failed pods so
+  successfully, and the job's cleanup (``cleanPodPolicy``) removes it, instead of it holding its
+  node until its agent's join timeout.
+* Otherwise: create the Service and every missing pod ``0..desired-1``, delete failed pods so
   they can be recreated under the same name, and scale down by deleting the highest indices
   first (pod 0, which bootstraps the job's first store, is never removed while the job runs;
-  any pod may host the store later: docs/agent.md, store failover).
+  any pod may host the store later: docs/agent.md, store failover). New pods carry the job's
+  store key unless a pod made without it may still run (:func:`store_keyed`), and name the
+  job's PodGroup if it asks for a gang, the cluster serves PodGroups and no live pod was made
+  without the group; ``GangScheduled`` says where the gang is.
 * A pod still Terminating ``forceDeleteAfterSeconds`` after its grace period ended (its node is
   lost; no kubelet will confirm) is force-deleted, and the pass asks to be requeued when that is
   due, so the job never wedges (kubeflow trainer#2072).
-* Only the job's own pods count: a pod whose controller is another object (an earlier job of
-  the same name, still being deleted) or none is never counted or adopted; its name is not
-  reused until it is gone, and our finalizer, if it has one, is removed (its job is gone).
 * Back-off per pod index (``spec.podBackoff``): after a charged failure, or one whose trainer
   never started (the kubelet rejected it at admission: ``OutOfcpu``,
   ``UnexpectedAdmissionError``...; the same node would reject the next one in a tight loop),
-  the next pod of that index waits 10 s after the failed trainer ended, doubling with each
-  such failure of the index in a row up to 360 s, as the Job controller does; a pod of the
-  index that ran 600 s starts the count over. The state is in ``status.podBackoff``, moved only
-  when a pod is counted (exactly once), so a pass that runs again never charges it twice.
+  the next pod of that index waits, 10 s doubling up to 360 s, as the Job controller does. The
+  state is in ``status.podBackoff``, moved only when a pod is counted (exactly once).
   Disruptions are replaced at once. The deadline and ``suspend`` win over a pending back-off.
 * Sizes stay bounded however large the job: ``status.waiting`` lists at most
   :data:`MAX_WAITING` pods (the Running condition counts all of them, by reason), a pass emits
-  at most :data:`MAX_EVENT_PODS` events of a kind (then one that sums up the rest), and it adds
-  at most :data:`MAX_NEW_ACCOUNTED` uids to ``accountedPods`` (as the Job controller bounds
-  ``uncountedTerminatedPods``): the rest is counted or deleted in the next passes.
-* A job that an older operator marked ``Failed`` only because its spec did not parse
-  (``InvalidSpec``: it was never terminal) is taken up again once the spec parses.
+  at most :data:`~ddpjob_operator.events.MAX_EVENT_PODS` events of a kind (then one that sums up
+  the rest), and it adds at most :data:`MAX_NEW_ACCOUNTED` uids to ``accountedPods`` (as the Job
+  controller bounds ``uncountedTerminatedPods``): the rest is counted or deleted in the next
+  passes.
 """
 
 from __future__ import annotations
