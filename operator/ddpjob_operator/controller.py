@@ -377,7 +377,7 @@ class Controller:
         due = decision.requeue_after
         if self.config.ask_agents and any(p.live for p in seen):
             due = min(due or agents.ASK_EVERY_SECONDS, agents.ASK_EVERY_SECONDS)
-        poll = queue.poll_after(kueue, job.status.phase.is_finished) if kueue else None
+        poll = None if kueue is None else queue.poll_after(kueue, job.status.phase.is_finished)
         if poll is not None:
             due = min(due or poll, poll)
         return due
