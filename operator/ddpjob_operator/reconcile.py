@@ -557,21 +557,22 @@ def reconcile(
     if job.metadata.deletion_timestamp is not None:
         return _being_deleted(observed.pods, status)
     status = _spec_parses(status, now)
-    this = _Pass.start(job, observed, status, now, network, default_profile)
+    facts = _Facts.start(job, observed, status, now, network, default_profile)
     if status.phase.is_finished:
-        decision = _finished(job, this.pods, status, now)
+        decision = _finished(job, facts.pods, status, now)
     else:
-        decision = _unfinished(this, status)
+        decision = _unfinished(facts, status)
     # Our finalizer on a pod that is not this job's: its own job is gone, nobody counts it.
     return _also(
-        decision, [RemoveFinalizer(p.name, p.uid, p.index) for p in this.foreign if p.tracked]
+        decision, [RemoveFinalizer(p.name, p.uid, p.index) for p in facts.foreign if p.tracked]
     )
 
 
 @dataclasses.dataclass(frozen=True)
-class _Pass:
-    """What the rules of one pass read: the job, what was seen of it (the pods sorted once),
-    the clock, and how its pods are built."""
+class _Facts:
+    """The facts of one pass, which every rule reads and none changes: the job, what was seen
+    of it (its pods sorted once), the clock, and how its pods are built. (The status is not one:
+    the rules pass it along, each returning it changed.)"""
 
     job: api.DDPJob
     observed: Observed
@@ -597,7 +598,7 @@ class _Pass:
         now: dt.datetime,
         network: builders.Network,
         default_profile: api.SecurityProfile,
-    ) -> _Pass:
+    ) -> _Facts:
         pods = tuple(p for p in observed.pods if p.owned_by(job.metadata.uid))
         foreign = tuple(p for p in observed.pods if not p.owned_by(job.metadata.uid))
         admitted = observed.queue.count if observed.queue else queue.UNBOUNDED
@@ -610,19 +611,19 @@ class _Pass:
         )
 
 
-def _unfinished(this: _Pass, status: DDPJobStatus) -> Decision:
+def _unfinished(facts: _Facts, status: DDPJobStatus) -> Decision:
     """Count every pod that ended, then hold the job (suspended, or queued by Kueue) or run it."""
-    status, failures = _account(this.job, this.buckets, status, this.now)
-    told = failure_events(this.job, failures, status)
-    admission = this.observed.queue
-    if this.job.spec.suspend:
+    status, failures = _account(facts.job, facts.buckets, status, facts.now)
+    told = failure_events(facts.job, failures, status)
+    admission = facts.observed.queue
+    if facts.job.spec.suspend:
         # A job that is not (or no longer) a Kueue job has no Admitted condition.
         unqueued = status if admission is not None else _without_admitted(status)
-        return _told_first(told, _suspend(this, unqueued))
-    status, resumed = _resumed(status, admission, this.now)
+        return _told_first(told, _suspend(facts, unqueued))
+    status, resumed = _resumed(status, admission, facts.now)
     if admission is not None and admission.count == 0:
-        return _told_first(told + resumed, _suspend(this, status, admission))
-    return _told_first(told + resumed, _run(this, status, failures))
+        return _told_first(told + resumed, _suspend(facts, status, admission))
+    return _told_first(told + resumed, _run(facts, status, failures))
 
 
 def _being_deleted(pods: Sequence[ObservedPod], status: DDPJobStatus) -> Decision:
@@ -674,14 +675,16 @@ def _spec_parses(status: DDPJobStatus, now: dt.datetime) -> DDPJobStatus:
 # ---- suspended, or held by Kueue -----------------------------------------------------------------
 
 
-def _suspend(this: _Pass, status: DDPJobStatus, queued: queue.Admission | None = None) -> Decision:
+def _suspend(
+    facts: _Facts, status: DDPJobStatus, queued: queue.Admission | None = None
+) -> Decision:
     """Delete every pod that holds resources (or failed); keep Succeeded ones: a completing job
     stays completing. A failed pod is deleted only once it is counted.
 
     ``queued``: not suspended, but held by Kueue (not admitted, or evicted): the same, in phase
     ``Queued``, and the pods' deletions are never charged either."""
-    pods, now = this.pods, this.now
-    deferred = {p.uid for p in this.buckets.deferred}
+    pods, now = facts.pods, facts.now
+    deferred = {p.uid for p in facts.buckets.deferred}
     doomed = [
         p
         for p in pods
@@ -693,12 +696,12 @@ def _suspend(this: _Pass, status: DDPJobStatus, queued: queue.Admission | None =
     wanted: list[Action] = [
         DeletePod(p.name, p.uid, p.index, why) for p in sorted(doomed, key=lambda p: -p.index)
     ]
-    actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), this.room)
-    stuck, requeue = _force_stuck(this.job, pods, now)
+    actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), facts.room)
+    stuck, requeue = _force_stuck(facts.job, pods, now)
     if held_back or deferred:
         requeue = _sooner(requeue, DEFERRED_REQUEUE)
     actions += stuck
-    accounted, removals = _bookkeeping(pods, status, this.buckets.uncounted, actions)
+    accounted, removals = _bookkeeping(pods, status, facts.buckets.uncounted, actions)
     told: list[Event] = []
     if queued is None:
         phase, reason = JobPhase.SUSPENDED, "Suspended"
@@ -775,15 +778,15 @@ def _admitted_condition(
 # ---- a running job -------------------------------------------------------------------------------
 
 
-def _run(this: _Pass, status: DDPJobStatus, failures: Sequence[PodFailure]) -> Decision:
+def _run(facts: _Facts, status: DDPJobStatus, failures: Sequence[PodFailure]) -> Decision:
     """The job runs: its Service and pods as the spec and its failures ask, or its verdict."""
-    job, now, buckets = this.job, this.now, this.buckets
+    job, now, buckets = facts.job, facts.now, facts.buckets
     live = buckets.live
     status = status.model_copy(update={"start_time": status.start_time or now})
     running = sum(p.phase is PodPhase.RUNNING for p in live)
     completing = status.succeeded > 0 or bool(buckets.succeeded)
     phase = _phase(completing, running, job.spec.effective_min, status.conditions)
-    plan = _run_actions(this, status, completing)
+    plan = _run_actions(facts, status, completing)
     waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
     shown = waiting[:MAX_WAITING]
     told = waiting_events(status.waiting, shown)
@@ -796,14 +799,14 @@ def _run(this: _Pass, status: DDPJobStatus, failures: Sequence[PodFailure]) -> D
     success, stranded_due = _success(buckets.succeeded, live, now) if completing else (None, None)
     verdict = verdict or success
     if verdict is not None:
-        return _told_first(told, _finish(job, this.pods, status, verdict, now))
+        return _told_first(told, _finish(job, facts.pods, status, verdict, now))
 
     actions, deferred = _limit_deletes(
-        plan.actions, this.pods, set(status.accounted_pods), this.room
+        plan.actions, facts.pods, set(status.accounted_pods), facts.room
     )
-    stuck, stuck_due = _force_stuck(job, this.pods, now)
+    stuck, stuck_due = _force_stuck(job, facts.pods, now)
     actions += stuck
-    accounted, removals = _bookkeeping(this.pods, status, buckets.uncounted, actions)
+    accounted, removals = _bookkeeping(facts.pods, status, buckets.uncounted, actions)
     actions += removals
     told += [
         *backoff.events(job, failures, status, now, completing),
@@ -812,22 +815,22 @@ def _run(this: _Pass, status: DDPJobStatus, failures: Sequence[PodFailure]) -> D
             [a.name for a in actions if isinstance(a, CreatePod)],
             [a.name for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN],
         ),
-        *phase_events(status.phase, phase, running, this.desired),
+        *phase_events(status.phase, phase, running, facts.desired),
     ]
     conditions = _running_conditions(
         status.conditions,
         phase,
         completing,
         running,
-        this.desired,
+        facts.desired,
         job.spec.effective_min,
         waiting,
         now,
     )
     conditions = gang.condition(
-        conditions, job, this.observed.pod_groups, plan.pod_group, live, completing, now
+        conditions, job, facts.observed.pod_groups, plan.pod_group, live, completing, now
     )
-    conditions = _admitted_condition(conditions, this.observed.queue, now)
+    conditions = _admitted_condition(conditions, facts.observed.queue, now)
     status = status.model_copy(
         update={
             "phase": phase,
@@ -856,31 +859,31 @@ class _Plan:
     due: float | None = None
 
 
-def _run_actions(this: _Pass, status: DDPJobStatus, completing: bool) -> _Plan:
+def _run_actions(facts: _Facts, status: DDPJobStatus, completing: bool) -> _Plan:
     """Service, replacements, scale-down (highest index first), then missing pods: not under a
     name another object's pod still holds, nor before its index's back-off is over."""
-    job, pods, now = this.job, this.pods, this.now
-    group = gang.group_for_new_pods(job, this.observed.pod_groups, pods)
+    job, pods, now = facts.job, facts.pods, facts.now
+    group = gang.group_for_new_pods(job, facts.observed.pod_groups, pods)
     plan = _Plan(actions=[], waiting=[], pod_group=group)
-    if not this.observed.service:
+    if not facts.observed.service:
         plan.actions.append(CreateService(builders.build_service(job)))
     if completing:
         return plan  # nothing is created or replaced once a pod has succeeded
     present = {p.index for p in pods}
     plan.actions += [
-        DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in this.buckets.failed
+        DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in facts.buckets.failed
     ]
     plan.actions += [
         DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
-        for p in sorted(this.buckets.surplus, key=lambda p: -p.index)
+        for p in sorted(facts.buckets.surplus, key=lambda p: -p.index)
     ]
-    held = {p.index: p for p in this.foreign}
+    held = {p.index: p for p in facts.foreign}
     keyed = store_keyed(pods)
-    admission = this.observed.queue
+    admission = facts.observed.queue
     placement = admission.placement if admission is not None else None
     if admission is not None and placement is None:
         return plan  # admitted to flavors that could not be read: no pod until they are
-    for i in range(this.desired):
+    for i in range(facts.desired):
         if i in present:
             continue
         if i in held:
@@ -894,8 +897,8 @@ def _run_actions(this: _Pass, status: DDPJobStatus, completing: bool) -> _Plan:
         pod = builders.build_pod(
             job,
             i,
-            this.network,
-            this.default_profile,
+            facts.network,
+            facts.default_profile,
             store_key=keyed,
             pod_group=plan.pod_group,
             placement=placement,
