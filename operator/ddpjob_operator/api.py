@@ -29,7 +29,7 @@ import datetime as dt
 import decimal
 import enum
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal, Self
 
 import pydantic
@@ -101,6 +101,20 @@ class RestartPolicy(enum.StrEnum):
     ON_FAILURE = "OnFailure"
     EXIT_CODE = "ExitCode"
     NEVER = "Never"
+
+    def charges(self, disruption: bool) -> bool:
+        """Whether a failure counts against ``backoffLimit``: unless it was a disruption, and
+        always under ``Never``."""
+        return self is RestartPolicy.NEVER or not disruption
+
+    def fails_job(self, failure: PodFailure) -> bool:
+        """Whether this failure alone fails the job: any under ``Never``; under ``ExitCode``,
+        a trainer's exit code 1-127."""
+        if self is RestartPolicy.NEVER:
+            return True
+        if self is RestartPolicy.EXIT_CODE and failure.exit_code is not None:
+            return failure.reason.startswith("ExitCode") and 1 <= failure.exit_code <= 127
+        return False
 
 
 class CleanPodPolicy(enum.StrEnum):
@@ -698,6 +712,28 @@ class Condition(_Model):
     last_transition_time: dt.datetime
 
 
+def set_condition(
+    conditions: Sequence[Condition],
+    type_: ConditionType,
+    status: bool,
+    reason: str,
+    message: str,
+    now: dt.datetime,
+) -> list[Condition]:
+    """Replace one condition; ``lastTransitionTime`` moves only when its status flips."""
+    wanted = "True" if status else "False"
+    old = next((c for c in conditions if c.type == type_), None)
+    since = old.last_transition_time if old is not None and old.status == wanted else now
+    new = Condition(
+        type=type_, status=wanted, reason=reason, message=message, last_transition_time=since
+    )
+    return [c for c in conditions if c.type != type_] + [new]
+
+
+def condition_true(conditions: Iterable[Condition], type_: ConditionType) -> bool:
+    return any(c.type == type_ and c.status == "True" for c in conditions)
+
+
 class PodFailure(_Model):
     """One pod that ended badly, with a classified reason.
 
@@ -720,6 +756,13 @@ class PodFailure(_Model):
     charged: bool
     started: bool = True
     time: dt.datetime
+
+    @property
+    def delays_next_pod(self) -> bool:
+        """The next pod of the index waits (:class:`PodBackoff`): the failure was charged, or
+        the trainer never started (a node that rejects the pod at admission would reject the
+        next one in a tight loop). A disruption of a pod that ran is replaced at once."""
+        return self.charged or not self.started
 
 
 class PodWaiting(_Model):

@@ -19,15 +19,16 @@ from typing import Any
 import yaml
 
 from ddpjob_operator import api, crd
-from ddpjob_operator.errors import DDPJobError, ManifestError
+from ddpjob_operator.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    DDPJobError,
+    ManifestError,
+)
 from ddpjob_operator.local.options import add_run_arguments, check_run_arguments
 from ddpjob_operator.manifest import load_job_file
 from ddpjob_operator.runtime import add_operator_arguments
-
-EXIT_OK = 0
-EXIT_JOB_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -13,9 +13,9 @@ per job and wake it on every event of the job, its pods and its Service. A pass:
 5. sleeps until the next event, or until ``requeue_after`` when a time-based rule is due.
 
 There is no polling: a job with nothing due makes no API request at all, except a Kueue job
-(label ``kueue.x-k8s.io/queue-name``), whose Workloads are read on every pass, every
-:data:`QUEUE_POLL_SECONDS` while it waits on Kueue and every :data:`QUEUE_WATCH_SECONDS` while it
-is admitted (an eviction is seen that late at most). Nothing here holds
+(label ``kueue.x-k8s.io/queue-name``), whose Workloads are read on every pass, and as often as
+:func:`ddpjob_operator.queue.poll_after` says (every few seconds while it waits on Kueue or is
+admitted: an eviction is seen that late at most). Nothing here holds
 state that matters across a restart: counts and intents are in the job's status and in the pods'
 finalizers, so the operator can be killed at any point and resume.
 """
@@ -31,14 +31,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from ddpjob_operator import agents, api, builders, queue
+from ddpjob_operator import agents, api, builders, gang, queue
 from ddpjob_operator.errors import SpecError
 from ddpjob_operator.kube import ApiError, ConflictError, KubeApi, controller_uid
 from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 from ddpjob_operator.reconcile import (
     INVALID_SPEC,
-    UNBOUNDED,
     Action,
     CreatePod,
     CreateService,
@@ -62,18 +61,6 @@ CONCURRENCY = 16
 SERVED_CHECK_SECONDS = 300.0
 """How long the answer to "does the cluster serve PodGroups (or Kueue's Workloads)?" is kept
 (asked only for jobs that want a gang, or name a queue)."""
-POD_GROUP_RECHECK_SECONDS = 30.0
-"""While pods of a gang wait unbound, the job's PodGroup is posted again this often: a group
-someone deleted is made again (pods that name a missing group are never scheduled)."""
-QUEUE_POLL_SECONDS = 2.0
-"""How often a Kueue job's Workloads are read while it waits on Kueue (to be admitted, for a
-bigger slice, or to give back an evicted one's quota)."""
-QUEUE_WATCH_SECONDS = 5.0
-"""How often an admitted Kueue job's Workload is read (a preemption is seen that late at most;
-the preemptor waits until the evicted job's pods are gone)."""
-QUEUE_STUCK_SECONDS = 30.0
-"""How often a Kueue job that cannot be queued at all is looked at again."""
-QUEUE_STUCK_REASONS = frozenset({"KueueNotServed", "KueueForbidden", "PriorityClassNotFound"})
 FLAVOR_SECONDS = 60.0
 """How long a ResourceFlavor read is kept."""
 STUCK_PASS_SECONDS = 120.0
@@ -201,8 +188,8 @@ class Controller:
         self._in_flight: dict[Key, _Pass] = {}
         self._policies: set[Key] = set()
         self._store_keys: set[Key] = set()
-        self._pod_groups: dict[Key, tuple[int, float]] = {}
-        """The minCount of each job's PodGroup as last made or set, and when."""
+        self._pod_groups: dict[Key, gang.Posted] = {}
+        """Each job's PodGroup as last made or resized."""
         self._served: _Kept[bool] = _Kept(SERVED_CHECK_SECONDS)
         """Whether the cluster serves PodGroups, and Kueue's Workloads (discovery)."""
         self._flavors: _Kept[JSON | None] = _Kept(FLAVOR_SECONDS)
@@ -366,7 +353,7 @@ class Controller:
                 expected,
                 self._network_policy(key, job, afresh),
                 self._store_key_secret(key, job, afresh),
-                self._pod_group(key, job, served, seen),
+                gang.to_post(job, served, self._pod_groups.get(key), seen, time.monotonic()),
                 kueue.actions if kueue is not None else (),
             )
         except ActionsFailedError as exc:
@@ -390,11 +377,8 @@ class Controller:
         due = decision.requeue_after
         if self.config.ask_agents and any(p.live for p in seen):
             due = min(due or agents.ASK_EVERY_SECONDS, agents.ASK_EVERY_SECONDS)
-        if (kueue is not None and not job.status.phase.is_finished) or (kueue and kueue.actions):
-            waits = kueue.actions or not kueue.admission.admitted
-            poll = QUEUE_POLL_SECONDS if waits else QUEUE_WATCH_SECONDS
-            if kueue.admission.reason in QUEUE_STUCK_REASONS:
-                poll = QUEUE_STUCK_SECONDS  # a fix by people: an RBAC grant, a class, Kueue
+        poll = None if kueue is None else queue.poll_after(kueue, job.status.phase.is_finished)
+        if poll is not None:
             due = min(due or poll, poll)
         return due
 
@@ -489,35 +473,34 @@ class Controller:
 
     async def _queue(self, key: Key, job: api.DDPJob, pods: list[ObservedPod]) -> queue.Plan | None:
         """What Kueue admits and what to write to the job's Workloads (a Kueue job; else None)."""
-        name = queue.queue_name(job)
-        if name is None:
+        if queue.queue_name(job) is None:
             await self._unqueued(key, job)
             return None
         self._labelled[key] = True
+        seen = await self._read_queue(key, job)
+        now = dt.datetime.now(dt.UTC)
+        desired = desired_replicas(job.spec)
+        planned = queue.admit(job, seen, pods, desired, now)
+        if planned.wants_priority:
+            seen = dataclasses.replace(seen, priority=await self._priority(key, job))
+            planned = queue.admit(job, seen, pods, desired, now)
+        return planned
+
+    async def _read_queue(self, key: Key, job: api.DDPJob) -> queue.Observation:
+        """The job's Workloads and the flavors they were admitted to, as far as this operator
+        may read them; the job's priority if it is known already."""
         if not await self._serves_workloads():
-            message = (
-                f"the job names LocalQueue {name} ({queue.QUEUE_LABEL}), but this cluster "
-                f"serves no {api.KUEUE_API} Workloads (is Kueue installed?): it runs without Kueue"
-            )
-            return queue.Plan(
-                queue.Admission(UNBOUNDED, builders.Placement(), False, "KueueNotServed", message),
-                (),
-            )
+            return queue.Observation(served=False)
         uid = job.metadata.uid or ""
         try:
             listed = await self.kube.list_workloads(key[0], uid)
         except ApiError as exc:
             if exc.status != 403:
                 raise
-            message = (
-                f"the operator may not read Kueue's Workloads ({exc}): install the chart with "
-                "kueue.enabled: true, or remove the label to run the job without Kueue; no pod "
-                "is created until then"
-            )
-            return queue.Plan(queue.Admission(0, None, False, "KueueForbidden", message), ())
-        slices = [queue.Slice.of(w) for w in listed if controller_uid(w) == uid]
+            return queue.Observation(served=True, forbidden=str(exc))
+        slices = tuple(queue.Slice.of(w) for w in listed if controller_uid(w) == uid)
         flavors: dict[str, JSON] = {}
-        for flavor in sorted({f for s in slices if s.admission for f in s.flavors}):
+        for flavor in queue.flavors_to_read(slices):
             try:
                 found = await self._flavor(flavor)
             except ApiError as exc:  # only new pods wait for it: nothing else depends on it
@@ -525,26 +508,7 @@ class Controller:
                 found = None
             if found is not None:
                 flavors[flavor] = found
-        now = dt.datetime.now(dt.UTC)
-        desired = desired_replicas(job.spec)
-        known = self._priorities.get(key)
-        planned = queue.plan(job, slices, pods, flavors, desired, known or queue.Priority(), now)
-        if known is not None or not any(
-            isinstance(a, queue.CreateWorkload) for a in planned.actions
-        ):
-            return planned
-        # The priority is read only for a new Workload: a class deleted later, or a failed read,
-        # must never hold back what the job's other Workloads need (a finish, a release).
-        priority = await self._priority(key, job)
-        if not isinstance(priority, str):
-            return queue.plan(job, slices, pods, flavors, desired, priority, now)
-        others = tuple(a for a in planned.actions if not isinstance(a, queue.CreateWorkload))
-        admission = planned.admission
-        if admission.admitted:
-            message = f"{admission.message}; cannot ask for more: {priority}"
-            return queue.Plan(dataclasses.replace(admission, message=message), others)
-        refused = queue.Admission(0, None, False, "PriorityClassNotFound", priority)
-        return queue.Plan(refused, others)
+        return queue.Observation(True, slices, None, flavors, self._priorities.get(key))
 
     async def _unqueued(self, key: Key, job: api.DDPJob) -> None:
         """A job without the queue label whose own Workloads are still open: its label was
@@ -584,46 +548,17 @@ class Controller:
         return await self._flavors.get(name, lambda: self.kube.get_resource_flavor(name))
 
     async def _priority(self, key: Key, job: api.DDPJob) -> queue.Priority | str:
-        """The Workload's priority, as Kueue's job framework takes it: the job's
-        ``kueue.x-k8s.io/priority-class`` (a WorkloadPriorityClass), else the template's
-        ``priorityClassName``; else 0. A class that does not exist: why, as a message."""
+        """The Workload's priority (:func:`queue.priority_class`), kept once found; a class
+        that does not exist: why, as a message."""
         known = self._priorities.get(key)
         if known is not None:
             return known
-        kueue_class = (job.metadata.labels or {}).get(queue.PRIORITY_CLASS_LABEL)
-        pod_class = (job.spec.template.spec.model_extra or {}).get("priorityClassName")
-        if kueue_class:
-            value = await self.kube.priority_value(True, kueue_class)
-            ref = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": kueue_class}
-            where = f"WorkloadPriorityClass {kueue_class} ({queue.PRIORITY_CLASS_LABEL})"
-        elif pod_class:
-            value = await self.kube.priority_value(False, str(pod_class))
-            ref = {"group": "scheduling.k8s.io", "kind": "PriorityClass", "name": str(pod_class)}
-            where = f"PriorityClass {pod_class} (spec.template.spec.priorityClassName)"
-        else:
-            value, ref = 0, None
-            where = ""
-        if value is None:
-            return f"{where} does not exist: create it, or name another; no Workload until then"
-        priority = queue.Priority(value, ref)
-        self._priorities[key] = priority
-        return priority
-
-    def _pod_group(
-        self, key: Key, job: api.DDPJob, served: bool | None, seen: Iterable[ObservedPod]
-    ) -> JSON | None:
-        """The job's PodGroup, to create (or to set its minCount): when the job wants a gang
-        that this operator has not made yet at this size, or has pods of the gang waiting
-        unbound (then at most every :data:`POD_GROUP_RECHECK_SECONDS`)."""
-        if not served or job.status.phase.is_finished or job.metadata.deletion_timestamp:
-            return None  # ``served`` is None for a job that wants no gang
-        made = self._pod_groups.get(key)
-        if made is not None and made[0] == job.spec.effective_min:
-            name = builders.pod_group_name(job.name)
-            waiting = any(p.pod_group == name and p.node is None and p.live for p in seen)
-            if not waiting or time.monotonic() - made[1] < POD_GROUP_RECHECK_SECONDS:
-                return None
-        return builders.build_pod_group(job)
+        named = queue.priority_class(job)
+        value = 0 if named is None else await self.kube.priority_value(named.kueue, named.name)
+        found = queue.priority(named, value)
+        if isinstance(found, queue.Priority):
+            self._priorities[key] = found
+        return found
 
     def _prerequisites(
         self, key: Key, policy: JSON | None, secret: JSON | None, pod_group: JSON | None
@@ -647,7 +582,7 @@ class Controller:
             first.append(
                 (
                     self.kube.ensure_pod_group(namespace, pod_group),
-                    lambda: self._pod_groups.__setitem__(key, (size, time.monotonic())),
+                    lambda: self._pod_groups.__setitem__(key, gang.Posted(size, time.monotonic())),
                 )
             )
         return first

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-EXIT_BAD_INPUT = 2
+from ddpjob_operator.errors import EXIT_BAD_INPUT
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1
+"""``ddpjob run``: the job ended Failed."""
+EXIT_BAD_INPUT = 2
+"""A file, YAML, spec or command line that ddpjob cannot use (argparse's own code too)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
 
 class DDPJobError(Exception):
     """Base class of every error ddpjob raises on purpose."""

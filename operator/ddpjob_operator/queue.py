@@ -19,9 +19,10 @@ checked against Kueue v0.19.2's source, is in ``docs/design/kueue-workloads.md``
   it (never re-asserted: Kueue deactivates Workloads itself).
 * The end: ``Finished`` once no pod holds resources, then the finalizer goes.
 
-The controller reads the job's Workloads and the flavors they were admitted to; :func:`plan`
-says what the job may run (:class:`Admission`, which :func:`reconcile.reconcile` obeys) and
-what to write to the Workloads.
+The controller reads the job's Workloads, the flavors they were admitted to and the job's
+priority into an :class:`Observation`, and only does that I/O: :func:`admit` says what the job
+may run (:class:`Admission`, which :func:`reconcile.reconcile` obeys) and what to write to the
+Workloads, and :func:`poll_after` when to read them again.
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ PODSET = "main"
 REQUEUED_AFTER = frozenset({"Preempted", "NodeFailures"})
 """Eviction reasons after which the Workload goes back to the queue at once (``Requeued``
 True); after the others Kueue requeues it itself (reactivation, back-off, a restarted queue)."""
+UNBOUNDED = 1 << 30
+"""More pods than any job asks for: what a job may run where Kueue is not installed."""
+POLL_SECONDS = 2.0
+"""How often a Kueue job's Workloads are read while it waits on Kueue (to be admitted, for a
+bigger slice, or to give back an evicted one's quota)."""
+WATCH_SECONDS = 5.0
+"""How often an admitted Kueue job's Workload is read (a preemption is seen that late at most;
+the preemptor waits until the evicted job's pods are gone)."""
+STUCK_SECONDS = 30.0
+"""How often a Kueue job that cannot be queued at all is looked at again."""
+STUCK_REASONS = frozenset({"KueueNotServed", "KueueForbidden", "PriorityClassNotFound"})
+"""Admission reasons that only people can fix (install Kueue, grant the operator, a class)."""
 
 
 def queue_name(job: api.DDPJob) -> str | None:
@@ -235,6 +248,9 @@ WorkloadAction = CreateWorkload | PatchWorkload | ReleaseWorkload
 class Plan:
     admission: Admission
     actions: tuple[WorkloadAction, ...]
+    wants_priority: bool = False
+    """A new Workload waits for the job's priority, not read yet (:attr:`Observation.priority`):
+    read it and :func:`admit` again (the actions hold no Workload creation meanwhile)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +259,121 @@ class Priority:
 
     value: int = 0
     ref: JSON | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PriorityClass:
+    """The class a job's Workload takes its priority from."""
+
+    kueue: bool
+    """A ``WorkloadPriorityClass`` (the job's label); else the pod template's ``PriorityClass``."""
+    name: str
+
+    @property
+    def ref(self) -> JSON:
+        if self.kueue:
+            return {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": self.name}
+        return {"group": "scheduling.k8s.io", "kind": "PriorityClass", "name": self.name}
+
+    @property
+    def where(self) -> str:
+        if self.kueue:
+            return f"WorkloadPriorityClass {self.name} ({PRIORITY_CLASS_LABEL})"
+        return f"PriorityClass {self.name} (spec.template.spec.priorityClassName)"
+
+
+def priority_class(job: api.DDPJob) -> PriorityClass | None:
+    """As Kueue's job framework picks it: the job's ``kueue.x-k8s.io/priority-class`` (a
+    WorkloadPriorityClass), else the template's ``priorityClassName``; else none (priority 0)."""
+    kueue_class = (job.metadata.labels or {}).get(PRIORITY_CLASS_LABEL)
+    if kueue_class:
+        return PriorityClass(True, kueue_class)
+    pod_class = (job.spec.template.spec.model_extra or {}).get("priorityClassName")
+    return PriorityClass(False, str(pod_class)) if pod_class else None
+
+
+def priority(named: PriorityClass | None, value: int | None) -> Priority | str:
+    """The Workload's priority, from the value read of the class (``None``: the class does not
+    exist, and the message that says so)."""
+    if named is None:
+        return Priority()
+    if value is None:
+        return f"{named.where} does not exist: create it, or name another; no Workload until then"
+    return Priority(value, named.ref)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What the controller read of Kueue for a job that names a queue."""
+
+    served: bool
+    """The cluster serves Kueue's Workloads."""
+    slices: tuple[Slice, ...] = ()
+    """The job's own Workloads."""
+    forbidden: str | None = None
+    """Why the operator may not read Workloads (it was refused), if it may not."""
+    flavors: Mapping[str, JSON] = dataclasses.field(default_factory=dict)
+    """The ResourceFlavors the admitted slices name (:func:`flavors_to_read`), as read."""
+    priority: Priority | str | None = None
+    """The job's priority; why it has none (its class does not exist); ``None``: not read."""
+
+
+def flavors_to_read(slices: Iterable[Slice]) -> list[str]:
+    """The ResourceFlavors the job's admitted slices name (new pods need their node labels)."""
+    return sorted({f for s in slices if s.admission for f in s.flavors})
+
+
+def admit(
+    job: api.DDPJob,
+    seen: Observation,
+    pods: Sequence[ObservedPod],
+    desired: int,
+    now: dt.datetime,
+) -> Plan:
+    """:func:`plan`, and what stands before it: Kueue not installed (the job runs without it),
+    Workloads the operator may not read (no pod until it may), and the job's priority, which
+    only a new Workload needs (a class that does not exist, or is not read yet, must never hold
+    back what the job's other Workloads need: a finish, a release)."""
+    if not seen.served:
+        message = (
+            f"the job names LocalQueue {queue_name(job)} ({QUEUE_LABEL}), but this cluster "
+            f"serves no {API} Workloads (is Kueue installed?): it runs without Kueue"
+        )
+        return Plan(Admission(UNBOUNDED, Placement(), False, "KueueNotServed", message), ())
+    if seen.forbidden is not None:
+        message = (
+            f"the operator may not read Kueue's Workloads ({seen.forbidden}): install the chart "
+            "with kueue.enabled: true, or remove the label to run the job without Kueue; no pod "
+            "is created until then"
+        )
+        return Plan(Admission(0, None, False, "KueueForbidden", message), ())
+    known = seen.priority if isinstance(seen.priority, Priority) else Priority()
+    planned = plan(job, seen.slices, pods, seen.flavors, desired, known, now)
+    creates = any(isinstance(a, CreateWorkload) for a in planned.actions)
+    if isinstance(seen.priority, Priority) or not creates:
+        return planned
+    others = tuple(a for a in planned.actions if not isinstance(a, CreateWorkload))
+    if seen.priority is None:
+        return Plan(planned.admission, others, wants_priority=True)
+    admission = planned.admission
+    if admission.admitted:
+        message = f"{admission.message}; cannot ask for more: {seen.priority}"
+        return Plan(dataclasses.replace(admission, message=message), others)
+    return Plan(Admission(0, None, False, "PriorityClassNotFound", seen.priority), others)
+
+
+def poll_after(planned: Plan, finished: bool) -> float | None:
+    """How soon the job's Workloads are read again without any event (Kueue's writes to them
+    wake no pass): often while the job waits on Kueue or has Workload writes to make, less
+    often while it is admitted, seldom when only people can help; never once a finished job's
+    Workloads need nothing more."""
+    if finished and not planned.actions:
+        return None
+    if planned.admission.reason in STUCK_REASONS:
+        return STUCK_SECONDS
+    if planned.actions or not planned.admission.admitted:
+        return POLL_SECONDS
+    return WATCH_SECONDS
 
 
 def pod_set(job: api.DDPJob, count: int) -> JSON:

@@ -18,15 +18,27 @@ uid into ``accountedPods`` *before* the delete, so they are never failures.
 
 Each pass sorts the pods into buckets once (:func:`sort_pods`), as JobSet and the Job controller
 do, and the rules read the buckets. Every classification rule lives in
-:func:`ddpjob_operator.observe.classify`. Rules, in the order they apply:
+:func:`ddpjob_operator.observe.classify`; the back-off in :mod:`~ddpjob_operator.backoff`, the
+gang in :mod:`~ddpjob_operator.gang`, Kueue's side in :mod:`~ddpjob_operator.queue`, the words in
+:mod:`~ddpjob_operator.events`. Rules, in the order they apply:
 
 * A DDPJob being deleted creates nothing; it only releases its pods' finalizers.
+* A job that an older operator marked ``Failed`` only because its spec did not parse
+  (``InvalidSpec``: it was never terminal) is taken up again once the spec parses.
 * A finished job (Succeeded/Failed) only cleans up per ``cleanPodPolicy`` and honours
-  ``ttlSecondsAfterFinished``.
+  ``ttlSecondsAfterFinished``; its ``GangScheduled`` condition, if any, says it ended.
+* Only the job's own pods count: a pod whose controller is another object (an earlier job of
+  the same name, still being deleted) or none is never counted or adopted; its name is not
+  reused until it is gone, and our finalizer, if it has one, is removed (its job is gone).
 * Every ended pod is accounted exactly once with a classified reason, and charged to
   ``backoffLimit`` unless it was a disruption (see :class:`~ddpjob_operator.api.RestartPolicy`).
 * ``suspend`` deletes every pod that holds resources and keeps Succeeded ones; resuming starts
   over at Pending (no condition claims Restarting).
+* A Kueue job (one that names a LocalQueue) runs only as Kueue admits it (``observed.queue``):
+  not admitted, or evicted, it is ``Queued`` as if suspended (its pods deleted uncharged, none
+  made), and its ``Admitted`` condition says why; once admitted it runs at most the admitted
+  count of pods (it caps ``desired``), new pods placed on the admitted flavors (none while a
+  flavor cannot be read). Other jobs never get ``Admitted``.
 * The job fails when the budget is spent, on a permanent exit code (``ExitCode`` policy), on
   any failure (``Never`` policy), when ``activeDeadlineSeconds`` passes, or when, after it has
   run, running pods stay below ``minReplicas`` for longer than ``rendezvous.joinTimeoutSeconds``.
@@ -38,34 +50,30 @@ do, and the rules read the buckets. Every classification rule lives in
   has succeeded can never join a round (the last round is over, whichever pod hosted its store,
   and nothing is re-created): a pod created by a late scale-up or replacement, still waiting to
   join. It is no longer waited for ``STRANDED_AFTER_SECONDS`` after the first pod finished
-  successfully, and the job's cleanup
-  (``cleanPodPolicy``) removes it, instead of it holding its node until its agent's join
-  timeout.
-* Otherwise: create the Service and every missing pod ``0..replicas-1``, delete failed pods so
+  successfully, and the job's cleanup (``cleanPodPolicy``) removes it, instead of it holding its
+  node until its agent's join timeout.
+* Otherwise: create the Service and every missing pod ``0..desired-1``, delete failed pods so
   they can be recreated under the same name, and scale down by deleting the highest indices
   first (pod 0, which bootstraps the job's first store, is never removed while the job runs;
-  any pod may host the store later: docs/agent.md, store failover).
+  any pod may host the store later: docs/agent.md, store failover). New pods carry the job's
+  store key unless a pod made without it may still run (:func:`store_keyed`), and name the
+  job's PodGroup if it asks for a gang, the cluster serves PodGroups and no live pod was made
+  without the group; ``GangScheduled`` says where the gang is.
 * A pod still Terminating ``forceDeleteAfterSeconds`` after its grace period ended (its node is
   lost; no kubelet will confirm) is force-deleted, and the pass asks to be requeued when that is
   due, so the job never wedges (kubeflow trainer#2072).
-* Only the job's own pods count: a pod whose controller is another object (an earlier job of
-  the same name, still being deleted) or none is never counted or adopted; its name is not
-  reused until it is gone, and our finalizer, if it has one, is removed (its job is gone).
 * Back-off per pod index (``spec.podBackoff``): after a charged failure, or one whose trainer
   never started (the kubelet rejected it at admission: ``OutOfcpu``,
   ``UnexpectedAdmissionError``...; the same node would reject the next one in a tight loop),
-  the next pod of that index waits 10 s after the failed trainer ended, doubling with each
-  such failure of the index in a row up to 360 s, as the Job controller does; a pod of the
-  index that ran 600 s starts the count over. The state is in ``status.podBackoff``, moved only
-  when a pod is counted (exactly once), so a pass that runs again never charges it twice.
+  the next pod of that index waits, 10 s doubling up to 360 s, as the Job controller does. The
+  state is in ``status.podBackoff``, moved only when a pod is counted (exactly once).
   Disruptions are replaced at once. The deadline and ``suspend`` win over a pending back-off.
 * Sizes stay bounded however large the job: ``status.waiting`` lists at most
   :data:`MAX_WAITING` pods (the Running condition counts all of them, by reason), a pass emits
-  at most :data:`MAX_EVENT_PODS` events of a kind (then one that sums up the rest), and it adds
-  at most :data:`MAX_NEW_ACCOUNTED` uids to ``accountedPods`` (as the Job controller bounds
-  ``uncountedTerminatedPods``): the rest is counted or deleted in the next passes.
-* A job that an older operator marked ``Failed`` only because its spec did not parse
-  (``InvalidSpec``: it was never terminal) is taken up again once the spec parses.
+  at most :data:`~ddpjob_operator.events.MAX_EVENT_PODS` events of a kind (then one that sums up
+  the rest), and it adds at most :data:`MAX_NEW_ACCOUNTED` uids to ``accountedPods`` (as the Job
+  controller bounds ``uncountedTerminatedPods``): the rest is counted or deleted in the next
+  passes.
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from ddpjob_operator import api, builders, queue
+from ddpjob_operator import api, backoff, builders, gang, queue
 from ddpjob_operator.api import (
     CleanPodPolicy,
     Condition,
@@ -86,6 +94,16 @@ from ddpjob_operator.api import (
     PodFailure,
     PodWaiting,
     RestartPolicy,
+    condition_true,
+    set_condition,
+)
+from ddpjob_operator.events import (
+    Event,
+    failure_events,
+    phase_events,
+    pods_changed,
+    waiting_events,
+    waiting_summary,
 )
 from ddpjob_operator.observe import DISRUPTIONS, ObservedPod, PodPhase, classify
 
@@ -93,16 +111,12 @@ JSON = dict[str, Any]
 
 MAX_WAITING = 20
 """Pods listed in ``status.waiting`` (lowest indices first); the Running condition counts all."""
-MAX_EVENT_PODS = 10
-"""Events of one kind a pass emits pod by pod; one more sums up the rest."""
 MAX_NEW_ACCOUNTED = 500
 """Uids a pass may add to ``status.accountedPods`` (counted pods and our own deletions)."""
 INVALID_SPEC = "InvalidSpec"
 """The condition (and reason) of a spec the operator cannot parse; never terminal."""
 DEFERRED_REQUEUE = 1.0
 """Seconds until the next pass when this one left work for it (the per-pass bounds)."""
-UNBOUNDED = 1 << 30
-"""More pods than any job asks for (no bound)."""
 STRANDED_AFTER_SECONDS = 30.0
 """How long a completing job still waits for its pods that are not ready after its first pod
 succeeded: a member of the last round may still be on its way out (a pod succeeds after the
@@ -164,13 +178,6 @@ Action = CreateService | CreatePod | DeletePod | RemoveFinalizer | DeleteJob
 
 
 @dataclasses.dataclass(frozen=True)
-class Event:
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
 class Observed:
     """Everything of the job's world the reconciler looks at."""
 
@@ -190,28 +197,6 @@ class Decision:
     events: tuple[Event, ...] = ()
     requeue_after: float | None = None
     """Seconds until a time-based rule (deadline, below-min, stuck pod, TTL) is due, if any."""
-
-
-def set_condition(
-    conditions: Sequence[Condition],
-    type_: ConditionType,
-    status: bool,
-    reason: str,
-    message: str,
-    now: dt.datetime,
-) -> list[Condition]:
-    """Replace one condition; ``lastTransitionTime`` moves only when its status flips."""
-    wanted = "True" if status else "False"
-    old = next((c for c in conditions if c.type == type_), None)
-    since = old.last_transition_time if old is not None and old.status == wanted else now
-    new = Condition(
-        type=type_, status=wanted, reason=reason, message=message, last_transition_time=since
-    )
-    return [c for c in conditions if c.type != type_] + [new]
-
-
-def _condition_true(conditions: Iterable[Condition], type_: ConditionType) -> bool:
-    return any(c.type == type_ and c.status == "True" for c in conditions)
 
 
 def desired_replicas(spec: api.DDPJobSpec) -> int:
@@ -282,18 +267,6 @@ def sort_pods(
 # ---- failure accounting ----------------------------------------------------------------------
 
 
-def _charged(reason: str, policy: RestartPolicy) -> bool:
-    return policy is RestartPolicy.NEVER or reason not in DISRUPTIONS
-
-
-def _permanent(failure: PodFailure, policy: RestartPolicy) -> bool:
-    if policy is RestartPolicy.NEVER:
-        return True
-    if policy is RestartPolicy.EXIT_CODE and failure.exit_code is not None:
-        return failure.reason.startswith("ExitCode") and 1 <= failure.exit_code <= 127
-    return False
-
-
 def _ended_at(pod: ObservedPod, now: dt.datetime) -> dt.datetime:
     """When a pod ended: its trainer's finish time as the kubelet wrote it, else now (the
     first pass that sees the end). Never later than now: a node whose clock runs ahead must
@@ -308,8 +281,8 @@ def _account(
 ) -> tuple[DDPJobStatus, list[PodFailure]]:
     """Count every pod in ``buckets.uncounted`` once: a success, or a classified failure.
     The failures come in the order they happened (then by index), and so do their counts;
-    each one moves its index's back-off (:func:`_backoff_state`), and a live pod that has run
-    long enough clears its index's (:func:`_healthy`)."""
+    each one moves its index's back-off (:func:`.backoff.advance`), and a live pod that has run
+    long enough clears its index's (:func:`.backoff.clear_healthy`)."""
     new: list[tuple[PodFailure, float]] = []
     successes = 0
     for pod in buckets.uncounted:
@@ -325,7 +298,7 @@ def _account(
             exit_code=pod.exit_code,
             message=pod.message,
             node=pod.node,
-            charged=_charged(reason, job.spec.restart_policy),
+            charged=job.spec.restart_policy.charges(reason in DISRUPTIONS),
             started=pod.started,
             time=_ended_at(pod, now),
         )
@@ -333,8 +306,9 @@ def _account(
     new.sort(key=lambda pair: (pair[0].time, pair[0].index))
     failures = [f for f, _ in new]
     policy = job.spec.pod_backoff
-    backoff = _healthy(policy, _backoff_state(policy, status.pod_backoff, new), buckets.live, now)
-    if not new and not successes and backoff == status.pod_backoff:
+    delays = backoff.advance(policy, status.pod_backoff, new)
+    delays = backoff.clear_healthy(policy, delays, buckets.live, now)
+    if not new and not successes and delays == status.pod_backoff:
         return status, []
     status = status.model_copy(
         update={
@@ -342,117 +316,10 @@ def _account(
             "restarts": status.restarts + len(failures),
             "backoff_count": status.backoff_count + sum(f.charged for f in failures),
             "succeeded": status.succeeded + successes,
-            "pod_backoff": backoff,
+            "pod_backoff": delays,
         }
     )
     return status, failures
-
-
-def _delayed(failure: PodFailure) -> bool:
-    """The next pod of the failure's index waits (:class:`~ddpjob_operator.api.PodBackoff`):
-    the failure was charged, or the trainer never started (a node that rejects the pod at
-    admission would reject the next one in a tight loop). Disruptions of a pod that ran are
-    replaced at once."""
-    return failure.charged or not failure.started
-
-
-def _backoff_state(
-    policy: api.PodBackoff,
-    entries: Sequence[api.IndexBackoff],
-    counted: Sequence[tuple[PodFailure, float]],
-) -> list[api.IndexBackoff]:
-    """Each index's failures in a row after this pass's failures (in the order they happened,
-    with how long each pod ran): a pod that ran ``resetAfterSeconds`` starts its index's count
-    over, a delayed failure adds one. Counting is exact (each pod is counted once), so the
-    back-off moves once per failure however often a pass runs."""
-    state = {e.index: e for e in entries}
-    for failure, ran in counted:
-        if ran >= policy.reset_after_seconds:
-            state.pop(failure.index, None)
-        if not _delayed(failure):
-            continue
-        old = state.get(failure.index)
-        state[failure.index] = api.IndexBackoff(
-            index=failure.index,
-            failures=(old.failures if old is not None else 0) + 1,
-            last_failure_time=failure.time,
-        )
-    return sorted(state.values(), key=lambda e: e.index)
-
-
-def _healthy(
-    policy: api.PodBackoff,
-    entries: Sequence[api.IndexBackoff],
-    live: Sequence[ObservedPod],
-    now: dt.datetime,
-) -> list[api.IndexBackoff]:
-    """Drop the back-off of an index whose pod has now run ``resetAfterSeconds``."""
-    well = {
-        p.index
-        for p in live
-        if p.phase is PodPhase.RUNNING
-        and p.started_at is not None
-        and p.ran_for(now) >= policy.reset_after_seconds
-    }
-    return [e for e in entries if e.index not in well]
-
-
-def _retry_time(policy: api.PodBackoff, entry: api.IndexBackoff) -> dt.datetime:
-    """When the next pod of the entry's index may be created."""
-    return entry.last_failure_time + dt.timedelta(seconds=policy.delay(entry.failures))
-
-
-def _failure_events(
-    job: api.DDPJob, failures: Sequence[PodFailure], status: DDPJobStatus
-) -> list[Event]:
-    """One event per failure, at most :data:`MAX_EVENT_PODS`, then one for the rest. Each
-    charged one names the count it brought the budget to (1/N, then 2/N, in the order they
-    happened), not the count after the whole pass."""
-    used = status.backoff_count - sum(f.charged for f in failures)
-    events = []
-    for failure in failures[:MAX_EVENT_PODS]:
-        used += failure.charged
-        events.append(_failure_event(job, failure, used))
-    rest = failures[MAX_EVENT_PODS:]
-    if rest:
-        reasons = _counted(f.reason for f in rest)
-        charged = sum(f.charged for f in rest)
-        events.append(
-            Event(
-                "Warning",
-                "PodFailed",
-                f"{len(rest)} more pods failed ({reasons}; {charged} charged, "
-                f"{status.backoff_count}/{job.spec.backoff_limit} of backoffLimit)",
-            )
-        )
-    return events
-
-
-def _counted(items: Iterable[str]) -> str:
-    """``"Preempted x3, Evicted x1"``: the most frequent first."""
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    return ", ".join(f"{item} x{n}" for item, n in ordered)
-
-
-def _some(names: Sequence[str], limit: int = MAX_EVENT_PODS) -> str:
-    """At most ``limit`` names, then how many more."""
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _failure_event(job: api.DDPJob, failure: PodFailure, used: int) -> Event:
-    budget = (
-        f"charged, {used}/{job.spec.backoff_limit} of backoffLimit"
-        if failure.charged
-        else "not charged: disruption"
-    )
-    detail = f": {failure.message}" if failure.message else ""
-    return Event(
-        "Warning", "PodFailed", f"pod {failure.pod} failed ({failure.reason}, {budget}){detail}"
-    )
 
 
 def _bookkeeping(
@@ -520,27 +387,6 @@ class _Verdict:
     message: str
 
 
-def _waiting_summary(waiting: Sequence[PodWaiting]) -> str:
-    """Every waiting pod, by reason, with the first one's message: bounded in size."""
-    if not waiting:
-        return ""
-    if len(waiting) <= 3:
-        parts = [f"{w.pod} {w.reason}" + (f" ({w.message})" if w.message else "") for w in waiting]
-        return "; waiting: " + "; ".join(parts)
-    groups: dict[str, list[PodWaiting]] = {}
-    for entry in waiting:
-        groups.setdefault(entry.reason, []).append(entry)
-    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
-    parts = []
-    for reason, entries in ordered[:3]:
-        first = entries[0]
-        example = f"{first.pod}: {first.message}" if first.message else first.pod
-        parts.append(f"{len(entries)} pods {reason} (e.g. {example})")
-    if len(ordered) > 3:
-        parts.append(f"{sum(len(e) for _, e in ordered[3:])} pods for other reasons")
-    return f"; waiting: {len(waiting)} pods: " + "; ".join(parts)
-
-
 def _failure_verdict(
     job: api.DDPJob,
     new: Sequence[PodFailure],
@@ -551,7 +397,7 @@ def _failure_verdict(
 ) -> _Verdict | None:
     spec = job.spec
     for failure in new:
-        if _permanent(failure, spec.restart_policy):
+        if spec.restart_policy.fails_job(failure):
             return _Verdict(
                 JobPhase.FAILED,
                 "PodFailed" if spec.restart_policy is RestartPolicy.NEVER else "PermanentExitCode",
@@ -573,7 +419,7 @@ def _failure_verdict(
         return _Verdict(
             JobPhase.FAILED,
             "DeadlineExceeded",
-            f"the job ran longer than {deadline}s{_waiting_summary(waiting)}",
+            f"the job ran longer than {deadline}s{waiting_summary(waiting)}",
         )
     timeout = spec.rendezvous.join_timeout_seconds
     since = status.below_min_since
@@ -582,7 +428,7 @@ def _failure_verdict(
             JobPhase.FAILED,
             "BelowMinReplicas",
             f"only {running} of minReplicas {spec.effective_min} pods ran for longer than "
-            f"rendezvous.joinTimeoutSeconds ({timeout}s){_waiting_summary(waiting)}",
+            f"rendezvous.joinTimeoutSeconds ({timeout}s){waiting_summary(waiting)}",
         )
     return None
 
@@ -597,670 +443,6 @@ def _cleanup(pods: Sequence[ObservedPod], policy: CleanPodPolicy) -> list[Action
         DeletePod(p.name, p.uid, p.index, DeleteWhy.CLEANUP)
         for p in sorted(doomed, key=lambda p: -p.index)
     ]
-
-
-def _finish(
-    job: api.DDPJob,
-    pods: Sequence[ObservedPod],
-    status: DDPJobStatus,
-    verdict: _Verdict,
-    now: dt.datetime,
-    events: list[Event],
-) -> Decision:
-    conditions = set_condition(
-        status.conditions,
-        ConditionType(verdict.phase.value),
-        True,
-        verdict.reason,
-        verdict.message,
-        now,
-    )
-    conditions = set_condition(conditions, ConditionType.RUNNING, False, verdict.reason, "", now)
-    conditions = set_condition(conditions, ConditionType.RESTARTING, False, verdict.reason, "", now)
-    status = status.model_copy(
-        update={
-            "phase": verdict.phase,
-            "conditions": conditions,
-            "completion_time": now,
-            "below_min_since": None,
-            "ready_replicas": 0,
-            "world_size": 0,
-            "store_host": None,
-        }
-    )
-    kind: Literal["Normal", "Warning"] = (
-        "Normal" if verdict.phase is JobPhase.SUCCEEDED else "Warning"
-    )
-    events.append(Event(kind, verdict.reason, verdict.message))
-    return _finished(job, pods, status, now, events)
-
-
-def _finished(
-    job: api.DDPJob,
-    pods: Sequence[ObservedPod],
-    status: DDPJobStatus,
-    now: dt.datetime,
-    events: list[Event],
-) -> Decision:
-    """After the verdict: clean up, release every finalizer, honour the TTL."""
-    actions = _cleanup(pods, job.spec.clean_pod_policy)
-    stuck, requeue = _force_stuck(job, pods, now)
-    actions += stuck + _release_all(pods)
-    status = status.model_copy(
-        update={
-            "replicas": sum(p.live for p in pods),
-            "accounted_pods": [],
-            "waiting": [],
-            "pod_backoff": [],
-        }
-    )
-    ttl = job.spec.ttl_seconds_after_finished
-    if ttl is not None and status.completion_time is not None:
-        expires = status.completion_time + dt.timedelta(seconds=ttl)
-        if now >= expires:
-            actions.append(DeleteJob())
-        else:
-            requeue = _sooner(requeue, (expires - now).total_seconds())
-    return Decision(tuple(actions), status, tuple(events), requeue)
-
-
-def _sooner(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    return a if b is None else min(a, b)
-
-
-# ---- the pass ------------------------------------------------------------------------------------
-
-
-def _being_deleted(job: api.DDPJob, pods: Sequence[ObservedPod], status: DDPJobStatus) -> Decision:
-    """The DDPJob has a deletionTimestamp: create nothing, let go of the pods."""
-    return Decision(tuple(_release_all(pods)), status.model_copy(update={"accounted_pods": []}))
-
-
-def _suspend(
-    job: api.DDPJob,
-    pods: Sequence[ObservedPod],
-    buckets: Buckets,
-    status: DDPJobStatus,
-    now: dt.datetime,
-    events: list[Event],
-    room: int,
-    queued: queue.Admission | None = None,
-) -> Decision:
-    """Delete every pod that holds resources (or failed); keep Succeeded ones: a completing job
-    stays completing. A failed pod is deleted only once it is counted.
-
-    ``queued``: not suspended, but held by Kueue (not admitted, or evicted): the same, in phase
-    ``Queued``, and the pods' deletions are never charged either."""
-    deferred = {p.uid for p in buckets.deferred}
-    doomed = [
-        p
-        for p in pods
-        if not p.deleting
-        and p.uid not in deferred
-        and (p.holds_resources or p.phase is PodPhase.FAILED)
-    ]
-    why = DeleteWhy.SUSPEND if queued is None else DeleteWhy.QUEUE
-    wanted: list[Action] = [
-        DeletePod(p.name, p.uid, p.index, why) for p in sorted(doomed, key=lambda p: -p.index)
-    ]
-    actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), room)
-    stuck, requeue = _force_stuck(job, pods, now)
-    if held_back or deferred:
-        requeue = _sooner(requeue, DEFERRED_REQUEUE)
-    actions += stuck
-    accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
-    if queued is None:
-        phase, reason = JobPhase.SUSPENDED, "Suspended"
-        conditions = set_condition(
-            status.conditions, ConditionType.SUSPENDED, True, reason, "spec.suspend is true", now
-        )
-        if status.phase is not phase:
-            events.append(Event("Normal", reason, "job suspended; deleting its pods"))
-    else:
-        phase, reason = JobPhase.QUEUED, queued.reason
-        conditions = _admitted_condition(status.conditions, queued, now)
-        if status.phase is not phase:
-            verb = "deleting its pods" if any(p.live for p in pods) else "no pod is made"
-            events.append(Event("Normal", reason, f"{queued.message}; {verb} until admitted"))
-    conditions = set_condition(conditions, ConditionType.RUNNING, False, reason, "", now)
-    conditions = set_condition(conditions, ConditionType.RESTARTING, False, reason, "", now)
-    if any(c.type == ConditionType.GANG_SCHEDULED for c in conditions):
-        conditions = set_condition(
-            conditions,
-            ConditionType.GANG_SCHEDULED,
-            False,
-            reason,
-            "no gang to place until the job runs again",
-            now,
-        )
-    status = status.model_copy(
-        update={
-            "phase": phase,
-            "conditions": conditions,
-            "start_time": None,
-            "below_min_since": None,
-            "replicas": sum(p.live for p in pods),
-            "ready_replicas": 0,
-            "world_size": 0,
-            "store_host": None,
-            "waiting": [],
-            "accounted_pods": accounted,
-        }
-    )
-    return Decision(tuple(actions + removals), status, tuple(events), requeue)
-
-
-def _without_admitted(status: DDPJobStatus) -> DDPJobStatus:
-    kept = [c for c in status.conditions if c.type != ConditionType.ADMITTED]
-    return status.model_copy(update={"conditions": kept})
-
-
-def _admitted_condition(
-    conditions: Sequence[Condition], admission: queue.Admission | None, now: dt.datetime
-) -> list[Condition]:
-    """``Admitted``, for a Kueue job (others never get it: a job whose queue label was
-    removed loses it)."""
-    if admission is None:
-        return [c for c in conditions if c.type != ConditionType.ADMITTED]
-    return set_condition(
-        conditions,
-        ConditionType.ADMITTED,
-        admission.admitted,
-        admission.reason,
-        admission.message,
-        now,
-    )
-
-
-def _world_size(job: api.DDPJob, live: Sequence[ObservedPod]) -> int:
-    reported = [p.world_size for p in live if p.world_size is not None]
-    if reported:
-        return max(reported)
-    return sum(p.ready for p in live) * builders.nproc_per_node(job.spec)
-
-
-def _store_host(live: Sequence[ObservedPod]) -> str | None:
-    """The live pod whose agent says it hosts the store; of two (an old host that has not yet
-    heard that it was superseded), the one of the newer generation."""
-    hosts = [p for p in live if p.store_host]
-    if not hosts:
-        return None
-    return max(hosts, key=lambda p: (p.store_gen, -p.index)).name
-
-
-def _phase(
-    completing: bool, running: int, minimum: int, conditions: Sequence[Condition]
-) -> JobPhase:
-    if completing or running >= minimum:
-        return JobPhase.RUNNING
-    if _condition_true(conditions, ConditionType.RUNNING) or _condition_true(
-        conditions, ConditionType.RESTARTING
-    ):
-        return JobPhase.RESTARTING
-    return JobPhase.PENDING
-
-
-def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
-    return [
-        PodWaiting(pod=p.name, reason=p.waiting_reason, message=p.waiting_message)
-        for p in live
-        if p.waiting_reason is not None
-    ]
-
-
-def _waiting_events(old: Sequence[PodWaiting], new: Sequence[PodWaiting]) -> list[Event]:
-    before = {(w.pod, w.reason) for w in old}
-    # A back-off has its own event, once, when the failure that starts it is counted.
-    fresh = [w for w in new if (w.pod, w.reason) not in before and w.reason != "BackOff"]
-    events = [
-        Event("Warning", "PodWaiting", f"pod {w.pod} cannot start: {w.reason}: {w.message}")
-        for w in fresh[:MAX_EVENT_PODS]
-    ]
-    rest = fresh[MAX_EVENT_PODS:]
-    if rest:
-        events.append(
-            Event(
-                "Warning",
-                "PodWaiting",
-                f"{len(rest)} more pods cannot start ({_counted(w.reason for w in rest)})",
-            )
-        )
-    return events
-
-
-def _names(actions: Iterable[Action], kind: type[CreatePod] | type[DeletePod]) -> str:
-    return _some([a.name for a in actions if isinstance(a, kind)])
-
-
-def _backoff_waiting(
-    job: api.DDPJob, status: DDPJobStatus, index: int, now: dt.datetime
-) -> PodWaiting | None:
-    """Pod ``index`` waits for its back-off (``spec.podBackoff``): why, and until when."""
-    entry = next((e for e in status.pod_backoff if e.index == index), None)
-    if entry is None:
-        return None
-    retry = _retry_time(job.spec.pod_backoff, entry)
-    left = (retry - now).total_seconds()
-    if left <= 0:
-        return None
-    last = next((f for f in reversed(status.failures) if f.index == index), None)
-    what = "pods never started" if last is not None and not last.started else "pods failed"
-    why = f"{last.reason}" + (f": {last.message}" if last.message else "") if last else "?"
-    return PodWaiting(
-        pod=builders.pod_name(job.name, index),
-        reason="BackOff",
-        message=(
-            f"its last {entry.failures} {what} in a row (last: {why}); the next one is created "
-            f"in {left:.0f}s"
-        )[:500],
-        index=index,
-        retry_time=retry,
-    )
-
-
-def _backoff_events(
-    job: api.DDPJob,
-    failures: Sequence[PodFailure],
-    status: DDPJobStatus,
-    now: dt.datetime,
-    completing: bool,
-) -> list[Event]:
-    """One event per back-off that this pass's failures started (at most
-    :data:`MAX_EVENT_PODS`, then one for the rest): the failures are counted once, so each
-    back-off is told once, however many passes it lasts. None once the job is completing
-    (nothing is re-created)."""
-    if completing:
-        return []
-    policy = job.spec.pod_backoff
-    entries = {e.index: e for e in status.pod_backoff}
-    started: list[tuple[api.IndexBackoff, dt.datetime]] = []
-    for index in sorted({f.index for f in failures if _delayed(f)}):
-        entry = entries.get(index)
-        if entry is not None and _retry_time(policy, entry) > now:
-            started.append((entry, _retry_time(policy, entry)))
-    events = []
-    for entry, retry in started[:MAX_EVENT_PODS]:
-        delay = policy.delay(entry.failures)
-        events.append(
-            Event(
-                "Warning",
-                "BackOff",
-                f"pod {builders.pod_name(job.name, entry.index)} is re-created in "
-                f"{(retry - now).total_seconds():.0f}s, at {retry:%Y-%m-%dT%H:%M:%SZ}: back-off "
-                f"{delay:g}s after {entry.failures} failures of its index in a row "
-                f"(spec.podBackoff)",
-            )
-        )
-    rest = started[MAX_EVENT_PODS:]
-    if rest:
-        events.append(
-            Event(
-                "Warning",
-                "BackOff",
-                f"{len(rest)} more pods back off (indices "
-                f"{_some([str(e.index) for e, _ in rest])})",
-            )
-        )
-    return events
-
-
-@dataclasses.dataclass
-class _Plan:
-    """What the running job needs, and what holds some of it back."""
-
-    actions: list[Action]
-    waiting: list[PodWaiting]
-    pod_group: str | None = None
-    due: float | None = None
-
-
-def _run_actions(
-    job: api.DDPJob,
-    pods: Sequence[ObservedPod],
-    foreign: Sequence[ObservedPod],
-    buckets: Buckets,
-    service: bool,
-    completing: bool,
-    status: DDPJobStatus,
-    now: dt.datetime,
-    network: builders.Network,
-    default_profile: api.SecurityProfile,
-    desired: int,
-    pod_groups: bool | None = None,
-    admission: queue.Admission | None = None,
-) -> _Plan:
-    """Service, replacements, scale-down (highest index first), then missing pods: not under a
-    name another object's pod still holds, nor before its index's back-off is over."""
-    plan = _Plan(actions=[], waiting=[], pod_group=gang_pod_group(job, pod_groups, pods))
-    if not service:
-        plan.actions.append(CreateService(builders.build_service(job)))
-    if completing:
-        return plan  # nothing is created or replaced once a pod has succeeded
-    present = {p.index for p in pods}
-    plan.actions += [DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in buckets.failed]
-    plan.actions += [
-        DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
-        for p in sorted(buckets.surplus, key=lambda p: -p.index)
-    ]
-    held = {p.index: p for p in foreign}
-    keyed = store_keyed(pods)
-    placement = admission.placement if admission is not None else None
-    if admission is not None and placement is None:
-        return plan  # admitted to flavors that could not be read: no pod until they are
-    for i in range(desired):
-        if i in present:
-            continue
-        if i in held:
-            plan.waiting.append(_held(held[i]))
-            continue
-        backoff = _backoff_waiting(job, status, i, now)
-        if backoff is not None and backoff.retry_time is not None:
-            plan.due = _sooner(plan.due, (backoff.retry_time - now).total_seconds())
-            plan.waiting.append(backoff)
-            continue
-        pod = builders.build_pod(
-            job,
-            i,
-            network,
-            default_profile,
-            store_key=keyed,
-            pod_group=plan.pod_group,
-            placement=placement,
-        )
-        plan.actions.append(CreatePod(i, pod))
-    return plan
-
-
-def store_keyed(pods: Iterable[ObservedPod]) -> bool:
-    """New pods get the job's store key (``DDPJOB_STORE_KEY``) unless a pod of the job built
-    without it may still run (not terminated; one being deleted may still train).
-
-    Agents that sign what they write to the rendezvous store and agents that do not cannot form
-    one group, so a job whose pods an operator made before the key keeps getting pods without
-    it until none of those is left (the job is suspended, or all its pods end at once); a job with
-    no pods, or only keyed ones, gets keyed pods. If both kinds run (which this rule never
-    makes), the unkeyed ones win: they are the ones that trained before the upgrade.
-    """
-    return not any(p.store_keyed is False and not p.phase.terminated for p in pods)
-
-
-def gang_pod_group(
-    job: api.DDPJob, pod_groups: bool | None, pods: Sequence[ObservedPod]
-) -> str | None:
-    """The PodGroup new pods join: the job's own, if it asks for a gang, the cluster serves
-    PodGroups, and no live pod of the job was made without one (a pod the gang does not count
-    would leave the group's newcomers waiting for a minCount they can never reach alone)."""
-    if job.spec.gang_scheduling is not api.GangScheduling.NATIVE or not pod_groups:
-        return None
-    if any(p.pod_group == "" and p.live for p in pods):
-        return None
-    return builders.pod_group_name(job.name)
-
-
-def _gang_condition(
-    conditions: Sequence[Condition],
-    job: api.DDPJob,
-    pod_groups: bool | None,
-    pod_group: str | None,
-    live: Sequence[ObservedPod],
-    now: dt.datetime,
-) -> list[Condition]:
-    """``GangScheduled``, for a job that asks for a gang (others never get it)."""
-    if job.spec.gang_scheduling is not api.GangScheduling.NATIVE or pod_groups is None:
-        return list(conditions)
-    placed, reason, message = _gang_state(job.spec.effective_min, pod_groups, pod_group, live)
-    return set_condition(conditions, ConditionType.GANG_SCHEDULED, placed, reason, message, now)
-
-
-def _gang_state(
-    gang: int, pod_groups: bool, pod_group: str | None, live: Sequence[ObservedPod]
-) -> tuple[bool, str, str]:
-    """(placed, reason, message) of a gang of ``gang`` pods."""
-    if not pod_groups:
-        return (
-            False,
-            "PodGroupsNotServed",
-            f"this cluster serves no {api.POD_GROUP_API} PodGroups (Kubernetes 1.37+ "
-            "with the GenericWorkload feature gate and that API version on): the job runs "
-            "without a gang, its pods placed one by one",
-        )
-    if pod_group is None:
-        return (
-            False,
-            "PodsWithoutGroup",
-            "pods made before the cluster served PodGroups still run: new pods join them "
-            "without a gang (suspend and resume the job to form one)",
-        )
-    bound = sum(p.node is not None for p in live)
-    if bound >= gang:
-        return True, "Placed", f"gang of {gang} placed: {bound} of {len(live)} pods bound"
-    refused = next(
-        (p for p in live if p.node is None and p.waiting_reason == "Unschedulable"), None
-    )
-    if refused is not None:
-        return False, "Unschedulable", f"gang of {gang} cannot be placed: {refused.waiting_message}"
-    return False, "Waiting", f"gang of {gang} waits to be placed: {bound} bound"
-
-
-def _held(pod: ObservedPod) -> PodWaiting:
-    """The name is taken by a pod that is not this job's."""
-    if pod.owner_uid:
-        why = (
-            f"pod {pod.name} of another owner (uid {pod.owner_uid}, most likely an earlier job "
-            "of this name) still holds the name; this job's pod is created once it is gone"
-        )
-    else:
-        why = (
-            f"pod {pod.name} has no owner (orphaned?) and holds the name; delete it to let this "
-            "job create its pod"
-        )
-    return PodWaiting(pod=pod.name, reason="NameInUse", message=why)
-
-
-def _release_foreign(foreign: Sequence[ObservedPod]) -> list[Action]:
-    """Our finalizer on a pod that is not this job's: its own job is gone, nobody counts it."""
-    return [RemoveFinalizer(p.name, p.uid, p.index) for p in foreign if p.tracked]
-
-
-def _limit_deletes(
-    actions: Sequence[Action], pods: Sequence[ObservedPod], accounted: set[str], room: int
-) -> tuple[list[Action], bool]:
-    """Keep at most ``room`` deletions of tracked pods not accounted yet (each adds a uid to
-    ``accountedPods``); True when some were left for the next pass."""
-    tracked = {p.uid for p in pods if p.tracked}
-    kept: list[Action] = []
-    deferred = False
-    for action in actions:
-        if isinstance(action, DeletePod) and action.uid in tracked - accounted:
-            if room <= 0:
-                deferred = True
-                continue
-            room -= 1
-        kept.append(action)
-    return kept, deferred
-
-
-def _action_events(job: api.DDPJob, actions: Sequence[Action]) -> list[Event]:
-    events = []
-    if any(isinstance(a, CreatePod) for a in actions):
-        events.append(Event("Normal", "CreatedPods", f"created {_names(actions, CreatePod)}"))
-    scaled_down = [a for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN]
-    if scaled_down:
-        events.append(
-            Event(
-                "Normal",
-                "ScalingDown",
-                f"spec.replicas is {job.spec.replicas}: deleting {_names(scaled_down, DeletePod)}",
-            )
-        )
-    return events
-
-
-def _running_conditions(
-    conditions: Sequence[Condition],
-    phase: JobPhase,
-    completing: bool,
-    running: int,
-    desired: int,
-    minimum: int,
-    waiting: Sequence[PodWaiting],
-    now: dt.datetime,
-) -> list[Condition]:
-    out = list(conditions)
-    if not _condition_true(out, ConditionType.CREATED):
-        out = set_condition(
-            out, ConditionType.CREATED, True, "Created", "pods and service created", now
-        )
-    out = set_condition(
-        out,
-        ConditionType.RUNNING,
-        phase is JobPhase.RUNNING,
-        "Completing"
-        if completing
-        else ("MinReplicasRunning" if phase is JobPhase.RUNNING else "WaitingForPods"),
-        f"{running} of {desired} pods running (minReplicas {minimum})" + _waiting_summary(waiting),
-        now,
-    )
-    return set_condition(
-        out,
-        ConditionType.RESTARTING,
-        phase is JobPhase.RESTARTING,
-        "ReplacingPods" if phase is JobPhase.RESTARTING else "NotRestarting",
-        "",
-        now,
-    )
-
-
-def reconcile(
-    job: api.DDPJob,
-    observed: Observed,
-    now: dt.datetime,
-    network: builders.Network = builders.CLUSTER,
-    default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
-) -> Decision:
-    """Decide what the job needs now. Pure and deterministic."""
-    spec = job.spec
-    pods = tuple(p for p in observed.pods if p.owned_by(job.metadata.uid))
-    foreign = tuple(p for p in observed.pods if not p.owned_by(job.metadata.uid))
-    status = job.status.model_copy(
-        update={
-            "observed_generation": job.metadata.generation,
-            "selector": api.job_selector(job.name),
-        }
-    )
-    events: list[Event] = []
-    if job.metadata.deletion_timestamp is not None:
-        return _being_deleted(job, observed.pods, status)
-    status = _spec_parses(status, now)
-    if status.phase.is_finished:
-        return _also(_release_foreign(foreign), _finished(job, pods, status, now, events))
-
-    desired = min(desired_replicas(spec), observed.queue.count if observed.queue else UNBOUNDED)
-    room = max(0, MAX_NEW_ACCOUNTED - len(status.accounted_pods))
-    buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
-    room -= len(buckets.uncounted)
-    status, new_failures = _account(job, buckets, status, now)
-    events += _failure_events(job, new_failures, status)
-
-    if spec.suspend:
-        # A job that is not (or no longer) a Kueue job has no Admitted condition.
-        unqueued = status if observed.queue is not None else _without_admitted(status)
-        suspended = _suspend(job, pods, buckets, unqueued, now, events, room)
-        return _also(_release_foreign(foreign), suspended)
-    status = _resumed(status, observed.queue, now, events)
-    if observed.queue is not None and observed.queue.count == 0:
-        queued = _suspend(job, pods, buckets, status, now, events, room, observed.queue)
-        return _also(_release_foreign(foreign), queued)
-    status = status.model_copy(update={"start_time": status.start_time or now})
-
-    live = buckets.live
-    running = sum(p.phase is PodPhase.RUNNING for p in live)
-    completing = status.succeeded > 0 or bool(buckets.succeeded)
-    phase = _phase(completing, running, spec.effective_min, status.conditions)
-    plan = _run_actions(
-        job,
-        pods,
-        foreign,
-        buckets,
-        observed.service,
-        completing,
-        status,
-        now,
-        network,
-        default_profile,
-        desired,
-        observed.pod_groups,
-        observed.queue,
-    )
-    waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
-    shown = waiting[:MAX_WAITING]
-    events += _waiting_events(status.waiting, shown)
-    # The below-minReplicas clock runs only once the job has run (Restarting): pods that never
-    # started (slow image pulls, nodes still being provisioned) are reported, not timed out.
-    below_since = (status.below_min_since or now) if phase is JobPhase.RESTARTING else None
-    status = status.model_copy(update={"below_min_since": below_since, "waiting": shown})
-
-    verdict = _failure_verdict(job, new_failures, status, now, running, waiting)
-    success, stranded_due = _success(buckets.succeeded, live, now) if completing else (None, None)
-    verdict = verdict or success
-    if verdict is not None:
-        return _also(_release_foreign(foreign), _finish(job, pods, status, verdict, now, events))
-
-    actions, deferred = _limit_deletes(plan.actions, pods, set(status.accounted_pods), room)
-    stuck, stuck_due = _force_stuck(job, pods, now)
-    actions += stuck
-    accounted, removals = _bookkeeping(pods, status, buckets.uncounted, actions)
-    actions += removals + _release_foreign(foreign)
-    events += [
-        *_backoff_events(job, new_failures, status, now, completing),
-        *_action_events(job, actions),
-    ]
-    conditions = _gang_condition(
-        _running_conditions(
-            status.conditions, phase, completing, running, desired, spec.effective_min, waiting, now
-        ),
-        job,
-        observed.pod_groups,
-        plan.pod_group,
-        live,
-        now,
-    )
-    conditions = _admitted_condition(conditions, observed.queue, now)
-    events += _phase_events(status.phase, phase, running, desired)
-    status = status.model_copy(
-        update={
-            "phase": phase,
-            "conditions": conditions,
-            "replicas": len(live),
-            "ready_replicas": sum(p.ready for p in live),
-            "world_size": _world_size(job, live),
-            "store_host": _store_host(live),
-            "accounted_pods": accounted,
-        }
-    )
-    requeue = _sooner(_sooner(_requeue(job, status, now), stuck_due), plan.due)
-    requeue = _sooner(requeue, stranded_due)
-    if deferred or buckets.deferred:
-        requeue = _sooner(requeue, DEFERRED_REQUEUE)
-    return Decision(tuple(actions), status, tuple(events), requeue)
-
-
-def _resumed(
-    status: DDPJobStatus, admission: queue.Admission | None, now: dt.datetime, events: list[Event]
-) -> DDPJobStatus:
-    """Out of ``Suspended`` (spec.suspend is false again), or of ``Queued`` (Kueue admits)."""
-    if status.phase is JobPhase.SUSPENDED:
-        events.append(Event("Normal", "Resumed", "job resumed"))
-        conditions = set_condition(
-            status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
-        )
-        status = status.model_copy(update={"phase": JobPhase.PENDING, "conditions": conditions})
-    if status.phase is JobPhase.QUEUED and admission is not None and admission.count > 0:
-        events.append(Event("Normal", "Admitted", admission.message))
-        status = status.model_copy(update={"phase": JobPhase.PENDING})
-    return status
 
 
 def _success(
@@ -1289,27 +471,186 @@ def _success(
     return _Verdict(JobPhase.SUCCEEDED, "Succeeded", message), None
 
 
-def _also(actions: Sequence[Action], decision: Decision) -> Decision:
+def _finish(
+    job: api.DDPJob,
+    pods: Sequence[ObservedPod],
+    status: DDPJobStatus,
+    verdict: _Verdict,
+    now: dt.datetime,
+) -> Decision:
+    """The verdict: the job's phase and conditions say it, and so does an event."""
+    conditions = set_condition(
+        status.conditions,
+        ConditionType(verdict.phase.value),
+        True,
+        verdict.reason,
+        verdict.message,
+        now,
+    )
+    conditions = set_condition(conditions, ConditionType.RUNNING, False, verdict.reason, "", now)
+    conditions = set_condition(conditions, ConditionType.RESTARTING, False, verdict.reason, "", now)
+    status = status.model_copy(
+        update={
+            "phase": verdict.phase,
+            "conditions": conditions,
+            "completion_time": now,
+            "below_min_since": None,
+            "ready_replicas": 0,
+            "world_size": 0,
+            "store_host": None,
+        }
+    )
+    kind: Literal["Normal", "Warning"] = (
+        "Normal" if verdict.phase is JobPhase.SUCCEEDED else "Warning"
+    )
+    return _told_first(
+        [Event(kind, verdict.reason, verdict.message)], _finished(job, pods, status, now)
+    )
+
+
+def _finished(
+    job: api.DDPJob,
+    pods: Sequence[ObservedPod],
+    status: DDPJobStatus,
+    now: dt.datetime,
+) -> Decision:
+    """After the verdict: clean up, release every finalizer, honour the TTL."""
+    actions = _cleanup(pods, job.spec.clean_pod_policy)
+    stuck, requeue = _force_stuck(job, pods, now)
+    actions += stuck + _release_all(pods)
+    status = status.model_copy(
+        update={
+            "conditions": gang.ended(status.conditions, status.phase, now),
+            "replicas": sum(p.live for p in pods),
+            "accounted_pods": [],
+            "waiting": [],
+            "pod_backoff": [],
+        }
+    )
+    ttl = job.spec.ttl_seconds_after_finished
+    if ttl is not None and status.completion_time is not None:
+        expires = status.completion_time + dt.timedelta(seconds=ttl)
+        if now >= expires:
+            actions.append(DeleteJob())
+        else:
+            requeue = _sooner(requeue, (expires - now).total_seconds())
+    return Decision(tuple(actions), status, (), requeue)
+
+
+# ---- the pass ------------------------------------------------------------------------------------
+
+
+def reconcile(
+    job: api.DDPJob,
+    observed: Observed,
+    now: dt.datetime,
+    network: builders.Network = builders.CLUSTER,
+    default_profile: api.SecurityProfile = api.SecurityProfile.BASELINE,
+) -> Decision:
+    """Decide what the job needs now. Pure and deterministic."""
+    status = job.status.model_copy(
+        update={
+            "observed_generation": job.metadata.generation,
+            "selector": api.job_selector(job.name),
+        }
+    )
+    if job.metadata.deletion_timestamp is not None:
+        return _being_deleted(observed.pods, status)
+    status = _spec_parses(status, now)
+    facts = _Facts.start(job, observed, status, now, network, default_profile)
+    if status.phase.is_finished:
+        decision = _finished(job, facts.pods, status, now)
+    else:
+        decision = _unfinished(facts, status)
+    # Our finalizer on a pod that is not this job's: its own job is gone, nobody counts it.
+    return _also(
+        decision, [RemoveFinalizer(p.name, p.uid, p.index) for p in facts.foreign if p.tracked]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Facts:
+    """The facts of one pass, which every rule reads and none changes: the job, what was seen
+    of it (its pods sorted once), the clock, and how its pods are built. (The status is not one:
+    the rules pass it along, each returning it changed.)"""
+
+    job: api.DDPJob
+    observed: Observed
+    now: dt.datetime
+    network: builders.Network
+    default_profile: api.SecurityProfile
+    pods: tuple[ObservedPod, ...]
+    """The job's own pods."""
+    foreign: tuple[ObservedPod, ...]
+    """Pods under the job's pod names whose controller is another object, or none."""
+    desired: int
+    """The pods the spec asks for, at most as many as Kueue admits."""
+    buckets: Buckets
+    room: int
+    """Uids the pass may still add to ``accountedPods`` once it has counted (the bound)."""
+
+    @classmethod
+    def start(
+        cls,
+        job: api.DDPJob,
+        observed: Observed,
+        status: DDPJobStatus,
+        now: dt.datetime,
+        network: builders.Network,
+        default_profile: api.SecurityProfile,
+    ) -> _Facts:
+        pods = tuple(p for p in observed.pods if p.owned_by(job.metadata.uid))
+        foreign = tuple(p for p in observed.pods if not p.owned_by(job.metadata.uid))
+        admitted = observed.queue.count if observed.queue else queue.UNBOUNDED
+        desired = min(desired_replicas(job.spec), admitted)
+        room = max(0, MAX_NEW_ACCOUNTED - len(status.accounted_pods))
+        buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
+        room -= len(buckets.uncounted)
+        return cls(
+            job, observed, now, network, default_profile, pods, foreign, desired, buckets, room
+        )
+
+
+def _unfinished(facts: _Facts, status: DDPJobStatus) -> Decision:
+    """Count every pod that ended, then hold the job (suspended, or queued by Kueue) or run it."""
+    status, failures = _account(facts.job, facts.buckets, status, facts.now)
+    told = failure_events(facts.job, failures, status)
+    admission = facts.observed.queue
+    if facts.job.spec.suspend:
+        # A job that is not (or no longer) a Kueue job has no Admitted condition.
+        unqueued = status if admission is not None else _without_admitted(status)
+        return _told_first(told, _suspend(facts, unqueued))
+    status, resumed = _resumed(status, admission, facts.now)
+    if admission is not None and admission.count == 0:
+        return _told_first(told + resumed, _suspend(facts, status, admission))
+    return _told_first(told + resumed, _run(facts, status, failures))
+
+
+def _being_deleted(pods: Sequence[ObservedPod], status: DDPJobStatus) -> Decision:
+    """The DDPJob has a deletionTimestamp: create nothing, let go of the pods."""
+    return Decision(tuple(_release_all(pods)), status.model_copy(update={"accounted_pods": []}))
+
+
+def _told_first(events: Sequence[Event], decision: Decision) -> Decision:
+    """The decision, with ``events`` (of the pass's earlier rules) before its own."""
+    return dataclasses.replace(decision, events=(*events, *decision.events))
+
+
+def _also(decision: Decision, actions: Sequence[Action]) -> Decision:
     return dataclasses.replace(decision, actions=decision.actions + tuple(actions))
 
 
-def _phase_events(old: JobPhase, new: JobPhase, running: int, desired: int) -> list[Event]:
-    if new is old or new not in (JobPhase.RUNNING, JobPhase.RESTARTING):
-        return []
-    kind: Literal["Normal", "Warning"] = "Normal" if new is JobPhase.RUNNING else "Warning"
-    return [Event(kind, new.value, f"{running} of {desired} pods running (was {old})")]
-
-
-def _index_in(job: api.DDPJob, pod_name: str) -> int:
-    suffix = pod_name.removeprefix(builders.pod_name(job.name, 0)[:-1])
-    return int(suffix) if suffix.isdigit() else 0
+def _sooner(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
 
 
 def _spec_parses(status: DDPJobStatus, now: dt.datetime) -> DDPJobStatus:
     """The spec parses (reconcile runs): clear an InvalidSpec condition, and take up a job an
     older operator marked Failed only for an invalid spec (that was never terminal)."""
     conditions = list(status.conditions)
-    if _condition_true(conditions, ConditionType.INVALID_SPEC):
+    if condition_true(conditions, ConditionType.INVALID_SPEC):
         conditions = set_condition(
             conditions, ConditionType.INVALID_SPEC, False, "SpecValid", "", now
         )
@@ -1329,6 +670,363 @@ def _spec_parses(status: DDPJobStatus, now: dt.datetime) -> DDPJobStatus:
     if update["conditions"] == list(status.conditions) and len(update) == 1:
         return status
     return status.model_copy(update=update)
+
+
+# ---- suspended, or held by Kueue -----------------------------------------------------------------
+
+
+def _suspend(
+    facts: _Facts, status: DDPJobStatus, queued: queue.Admission | None = None
+) -> Decision:
+    """Delete every pod that holds resources (or failed); keep Succeeded ones: a completing job
+    stays completing. A failed pod is deleted only once it is counted.
+
+    ``queued``: not suspended, but held by Kueue (not admitted, or evicted): the same, in phase
+    ``Queued``, and the pods' deletions are never charged either."""
+    pods, now = facts.pods, facts.now
+    deferred = {p.uid for p in facts.buckets.deferred}
+    doomed = [
+        p
+        for p in pods
+        if not p.deleting
+        and p.uid not in deferred
+        and (p.holds_resources or p.phase is PodPhase.FAILED)
+    ]
+    why = DeleteWhy.SUSPEND if queued is None else DeleteWhy.QUEUE
+    wanted: list[Action] = [
+        DeletePod(p.name, p.uid, p.index, why) for p in sorted(doomed, key=lambda p: -p.index)
+    ]
+    actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), facts.room)
+    stuck, requeue = _force_stuck(facts.job, pods, now)
+    if held_back or deferred:
+        requeue = _sooner(requeue, DEFERRED_REQUEUE)
+    actions += stuck
+    accounted, removals = _bookkeeping(pods, status, facts.buckets.uncounted, actions)
+    told: list[Event] = []
+    if queued is None:
+        phase, reason = JobPhase.SUSPENDED, "Suspended"
+        conditions = set_condition(
+            status.conditions, ConditionType.SUSPENDED, True, reason, "spec.suspend is true", now
+        )
+        if status.phase is not phase:
+            told.append(Event("Normal", reason, "job suspended; deleting its pods"))
+    else:
+        phase, reason = JobPhase.QUEUED, queued.reason
+        conditions = _admitted_condition(status.conditions, queued, now)
+        if status.phase is not phase:
+            verb = "deleting its pods" if any(p.live for p in pods) else "no pod is made"
+            told.append(Event("Normal", reason, f"{queued.message}; {verb} until admitted"))
+    conditions = set_condition(conditions, ConditionType.RUNNING, False, reason, "", now)
+    conditions = set_condition(conditions, ConditionType.RESTARTING, False, reason, "", now)
+    conditions = gang.paused(conditions, reason, now)
+    status = status.model_copy(
+        update={
+            "phase": phase,
+            "conditions": conditions,
+            "start_time": None,
+            "below_min_since": None,
+            "replicas": sum(p.live for p in pods),
+            "ready_replicas": 0,
+            "world_size": 0,
+            "store_host": None,
+            "waiting": [],
+            "accounted_pods": accounted,
+        }
+    )
+    return Decision(tuple(actions + removals), status, tuple(told), requeue)
+
+
+def _resumed(
+    status: DDPJobStatus, admission: queue.Admission | None, now: dt.datetime
+) -> tuple[DDPJobStatus, list[Event]]:
+    """Out of ``Suspended`` (spec.suspend is false again), or of ``Queued`` (Kueue admits)."""
+    told: list[Event] = []
+    if status.phase is JobPhase.SUSPENDED:
+        told.append(Event("Normal", "Resumed", "job resumed"))
+        conditions = set_condition(
+            status.conditions, ConditionType.SUSPENDED, False, "Resumed", "", now
+        )
+        status = status.model_copy(update={"phase": JobPhase.PENDING, "conditions": conditions})
+    if status.phase is JobPhase.QUEUED and admission is not None and admission.count > 0:
+        told.append(Event("Normal", "Admitted", admission.message))
+        status = status.model_copy(update={"phase": JobPhase.PENDING})
+    return status, told
+
+
+def _without_admitted(status: DDPJobStatus) -> DDPJobStatus:
+    kept = [c for c in status.conditions if c.type != ConditionType.ADMITTED]
+    return status.model_copy(update={"conditions": kept})
+
+
+def _admitted_condition(
+    conditions: Sequence[Condition], admission: queue.Admission | None, now: dt.datetime
+) -> list[Condition]:
+    """``Admitted``, for a Kueue job (others never get it: a job whose queue label was
+    removed loses it)."""
+    if admission is None:
+        return [c for c in conditions if c.type != ConditionType.ADMITTED]
+    return set_condition(
+        conditions,
+        ConditionType.ADMITTED,
+        admission.admitted,
+        admission.reason,
+        admission.message,
+        now,
+    )
+
+
+# ---- a running job -------------------------------------------------------------------------------
+
+
+def _run(facts: _Facts, status: DDPJobStatus, failures: Sequence[PodFailure]) -> Decision:
+    """The job runs: its Service and pods as the spec and its failures ask, or its verdict."""
+    job, now, buckets = facts.job, facts.now, facts.buckets
+    live = buckets.live
+    status = status.model_copy(update={"start_time": status.start_time or now})
+    running = sum(p.phase is PodPhase.RUNNING for p in live)
+    completing = status.succeeded > 0 or bool(buckets.succeeded)
+    phase = _phase(completing, running, job.spec.effective_min, status.conditions)
+    plan = _run_actions(facts, status, completing)
+    waiting = sorted(_waiting(live) + plan.waiting, key=lambda w: _index_in(job, w.pod))
+    shown = waiting[:MAX_WAITING]
+    told = waiting_events(status.waiting, shown)
+    # The below-minReplicas clock runs only once the job has run (Restarting): pods that never
+    # started (slow image pulls, nodes still being provisioned) are reported, not timed out.
+    below_since = (status.below_min_since or now) if phase is JobPhase.RESTARTING else None
+    status = status.model_copy(update={"below_min_since": below_since, "waiting": shown})
+
+    verdict = _failure_verdict(job, failures, status, now, running, waiting)
+    success, stranded_due = _success(buckets.succeeded, live, now) if completing else (None, None)
+    verdict = verdict or success
+    if verdict is not None:
+        return _told_first(told, _finish(job, facts.pods, status, verdict, now))
+
+    actions, deferred = _limit_deletes(
+        plan.actions, facts.pods, set(status.accounted_pods), facts.room
+    )
+    stuck, stuck_due = _force_stuck(job, facts.pods, now)
+    actions += stuck
+    accounted, removals = _bookkeeping(facts.pods, status, buckets.uncounted, actions)
+    actions += removals
+    told += [
+        *backoff.events(job, failures, status, now, completing),
+        *pods_changed(
+            job.spec.replicas,
+            [a.name for a in actions if isinstance(a, CreatePod)],
+            [a.name for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN],
+        ),
+        *phase_events(status.phase, phase, running, facts.desired),
+    ]
+    conditions = _running_conditions(
+        status.conditions,
+        phase,
+        completing,
+        running,
+        facts.desired,
+        job.spec.effective_min,
+        waiting,
+        now,
+    )
+    conditions = gang.condition(
+        conditions, job, facts.observed.pod_groups, plan.pod_group, live, completing, now
+    )
+    conditions = _admitted_condition(conditions, facts.observed.queue, now)
+    status = status.model_copy(
+        update={
+            "phase": phase,
+            "conditions": conditions,
+            "replicas": len(live),
+            "ready_replicas": sum(p.ready for p in live),
+            "world_size": _world_size(job, live),
+            "store_host": _store_host(live),
+            "accounted_pods": accounted,
+        }
+    )
+    requeue = _sooner(_sooner(_requeue(job, status, now), stuck_due), plan.due)
+    requeue = _sooner(requeue, stranded_due)
+    if deferred or buckets.deferred:
+        requeue = _sooner(requeue, DEFERRED_REQUEUE)
+    return Decision(tuple(actions), status, tuple(told), requeue)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the running job needs, and what holds some of it back."""
+
+    actions: list[Action]
+    waiting: list[PodWaiting]
+    pod_group: str | None = None
+    due: float | None = None
+
+
+def _run_actions(facts: _Facts, status: DDPJobStatus, completing: bool) -> _Plan:
+    """Service, replacements, scale-down (highest index first), then missing pods: not under a
+    name another object's pod still holds, nor before its index's back-off is over."""
+    job, pods, now = facts.job, facts.pods, facts.now
+    group = gang.group_for_new_pods(job, facts.observed.pod_groups, pods)
+    plan = _Plan(actions=[], waiting=[], pod_group=group)
+    if not facts.observed.service:
+        plan.actions.append(CreateService(builders.build_service(job)))
+    if completing:
+        return plan  # nothing is created or replaced once a pod has succeeded
+    present = {p.index for p in pods}
+    plan.actions += [
+        DeletePod(p.name, p.uid, p.index, DeleteWhy.REPLACE) for p in facts.buckets.failed
+    ]
+    plan.actions += [
+        DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
+        for p in sorted(facts.buckets.surplus, key=lambda p: -p.index)
+    ]
+    held = {p.index: p for p in facts.foreign}
+    keyed = store_keyed(pods)
+    admission = facts.observed.queue
+    placement = admission.placement if admission is not None else None
+    if admission is not None and placement is None:
+        return plan  # admitted to flavors that could not be read: no pod until they are
+    for i in range(facts.desired):
+        if i in present:
+            continue
+        if i in held:
+            plan.waiting.append(_held(held[i]))
+            continue
+        backing_off = backoff.waiting_for(job, status, i, now)
+        if backing_off is not None and backing_off.retry_time is not None:
+            plan.due = _sooner(plan.due, (backing_off.retry_time - now).total_seconds())
+            plan.waiting.append(backing_off)
+            continue
+        pod = builders.build_pod(
+            job,
+            i,
+            facts.network,
+            facts.default_profile,
+            store_key=keyed,
+            pod_group=plan.pod_group,
+            placement=placement,
+        )
+        plan.actions.append(CreatePod(i, pod))
+    return plan
+
+
+def store_keyed(pods: Iterable[ObservedPod]) -> bool:
+    """New pods get the job's store key (``DDPJOB_STORE_KEY``) unless a pod of the job built
+    without it may still run (not terminated; one being deleted may still train).
+
+    Agents that sign what they write to the rendezvous store and agents that do not cannot form
+    one group, so a job whose pods an operator made before the key keeps getting pods without
+    it until none of those is left (the job is suspended, or all its pods end at once); a job with
+    no pods, or only keyed ones, gets keyed pods. If both kinds run (which this rule never
+    makes), the unkeyed ones win: they are the ones that trained before the upgrade.
+    """
+    return not any(p.store_keyed is False and not p.phase.terminated for p in pods)
+
+
+def _held(pod: ObservedPod) -> PodWaiting:
+    """The name is taken by a pod that is not this job's."""
+    if pod.owner_uid:
+        why = (
+            f"pod {pod.name} of another owner (uid {pod.owner_uid}, most likely an earlier job "
+            "of this name) still holds the name; this job's pod is created once it is gone"
+        )
+    else:
+        why = (
+            f"pod {pod.name} has no owner (orphaned?) and holds the name; delete it to let this "
+            "job create its pod"
+        )
+    return PodWaiting(pod=pod.name, reason="NameInUse", message=why)
+
+
+def _limit_deletes(
+    actions: Sequence[Action], pods: Sequence[ObservedPod], accounted: set[str], room: int
+) -> tuple[list[Action], bool]:
+    """Keep at most ``room`` deletions of tracked pods not accounted yet (each adds a uid to
+    ``accountedPods``); True when some were left for the next pass."""
+    tracked = {p.uid for p in pods if p.tracked}
+    kept: list[Action] = []
+    deferred = False
+    for action in actions:
+        if isinstance(action, DeletePod) and action.uid in tracked - accounted:
+            if room <= 0:
+                deferred = True
+                continue
+            room -= 1
+        kept.append(action)
+    return kept, deferred
+
+
+def _phase(
+    completing: bool, running: int, minimum: int, conditions: Sequence[Condition]
+) -> JobPhase:
+    if completing or running >= minimum:
+        return JobPhase.RUNNING
+    if condition_true(conditions, ConditionType.RUNNING) or condition_true(
+        conditions, ConditionType.RESTARTING
+    ):
+        return JobPhase.RESTARTING
+    return JobPhase.PENDING
+
+
+def _waiting(live: Sequence[ObservedPod]) -> list[PodWaiting]:
+    return [
+        PodWaiting(pod=p.name, reason=p.waiting_reason, message=p.waiting_message)
+        for p in live
+        if p.waiting_reason is not None
+    ]
+
+
+def _index_in(job: api.DDPJob, pod_name: str) -> int:
+    suffix = pod_name.removeprefix(builders.pod_name(job.name, 0)[:-1])
+    return int(suffix) if suffix.isdigit() else 0
+
+
+def _running_conditions(
+    conditions: Sequence[Condition],
+    phase: JobPhase,
+    completing: bool,
+    running: int,
+    desired: int,
+    minimum: int,
+    waiting: Sequence[PodWaiting],
+    now: dt.datetime,
+) -> list[Condition]:
+    out = list(conditions)
+    if not condition_true(out, ConditionType.CREATED):
+        out = set_condition(
+            out, ConditionType.CREATED, True, "Created", "pods and service created", now
+        )
+    out = set_condition(
+        out,
+        ConditionType.RUNNING,
+        phase is JobPhase.RUNNING,
+        "Completing"
+        if completing
+        else ("MinReplicasRunning" if phase is JobPhase.RUNNING else "WaitingForPods"),
+        f"{running} of {desired} pods running (minReplicas {minimum})" + waiting_summary(waiting),
+        now,
+    )
+    return set_condition(
+        out,
+        ConditionType.RESTARTING,
+        phase is JobPhase.RESTARTING,
+        "ReplacingPods" if phase is JobPhase.RESTARTING else "NotRestarting",
+        "",
+        now,
+    )
+
+
+def _world_size(job: api.DDPJob, live: Sequence[ObservedPod]) -> int:
+    reported = [p.world_size for p in live if p.world_size is not None]
+    if reported:
+        return max(reported)
+    return sum(p.ready for p in live) * builders.nproc_per_node(job.spec)
+
+
+def _store_host(live: Sequence[ObservedPod]) -> str | None:
+    """The live pod whose agent says it hosts the store; of two (an old host that has not yet
+    heard that it was superseded), the one of the newer generation."""
+    hosts = [p for p in live if p.store_host]
+    if not hosts:
+        return None
+    return max(hosts, key=lambda p: (p.store_gen, -p.index)).name
 
 
 def _requeue(job: api.DDPJob, status: DDPJobStatus, now: dt.datetime) -> float | None:

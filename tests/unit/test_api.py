@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import pytest
@@ -137,3 +138,78 @@ def test_not_a_mapping() -> None:
 def test_every_problem_is_reported_at_once() -> None:
     found = problems(manifest(replicas=0, backoffLimit=-1, bogus=True))
     assert [p.split(":")[0] for p in found] == ["spec.replicas", "spec.backoffLimit", "spec.bogus"]
+
+
+T0 = dt.datetime(2026, 11, 26, 12, 0, tzinfo=dt.UTC)
+
+
+def failure(
+    reason: str, exit_code: int | None, charged: bool = True, started: bool = True
+) -> api.PodFailure:
+    return api.PodFailure(
+        pod="demo-worker-1",
+        index=1,
+        reason=reason,
+        exit_code=exit_code,
+        charged=charged,
+        started=started,
+        time=T0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "disruption", "charged"),
+    [
+        (api.RestartPolicy.ON_FAILURE, False, True),
+        (api.RestartPolicy.ON_FAILURE, True, False),
+        (api.RestartPolicy.EXIT_CODE, True, False),
+        (api.RestartPolicy.NEVER, True, True),
+    ],
+)
+def test_a_restart_policy_charges_every_failure_but_a_disruption_unless_never(
+    policy: api.RestartPolicy, disruption: bool, charged: bool
+) -> None:
+    assert policy.charges(disruption) is charged
+
+
+@pytest.mark.parametrize(
+    ("policy", "reason", "exit_code", "fails"),
+    [
+        (api.RestartPolicy.ON_FAILURE, "ExitCode(1)", 1, False),
+        (api.RestartPolicy.EXIT_CODE, "ExitCode(1)", 1, True),
+        (api.RestartPolicy.EXIT_CODE, "ExitCode(127)", 127, True),
+        (api.RestartPolicy.EXIT_CODE, "ExitCode(137)", 137, False),
+        (api.RestartPolicy.EXIT_CODE, "OOMKilled", 137, False),
+        (api.RestartPolicy.EXIT_CODE, "Preempted", None, False),
+        (api.RestartPolicy.NEVER, "Preempted", None, True),
+    ],
+)
+def test_a_restart_policy_says_which_failure_alone_fails_the_job(
+    policy: api.RestartPolicy, reason: str, exit_code: int | None, fails: bool
+) -> None:
+    assert policy.fails_job(failure(reason, exit_code)) is fails
+
+
+@pytest.mark.parametrize(
+    ("charged", "started", "delays"),
+    [(True, True, True), (True, False, True), (False, False, True), (False, True, False)],
+    ids=["charged", "charged-never-started", "rejected-at-admission", "disruption"],
+)
+def test_a_failure_delays_its_index_unless_it_was_a_disruption_of_a_pod_that_ran(
+    charged: bool, started: bool, delays: bool
+) -> None:
+    assert failure("Deleted", None, charged, started).delays_next_pod is delays
+
+
+def test_a_condition_moves_its_transition_time_only_when_its_status_flips() -> None:
+    later = T0 + dt.timedelta(minutes=1)
+    first = api.set_condition([], api.ConditionType.RUNNING, True, "A", "a", T0)
+    same = api.set_condition(first, api.ConditionType.RUNNING, True, "B", "b", later)
+    flipped = api.set_condition(same, api.ConditionType.RUNNING, False, "C", "c", later)
+    assert [(c.reason, c.last_transition_time) for c in (*first, *same, *flipped)] == [
+        ("A", T0),
+        ("B", T0),
+        ("C", later),
+    ]
+    assert api.condition_true(same, api.ConditionType.RUNNING)
+    assert not api.condition_true(flipped, api.ConditionType.RUNNING)

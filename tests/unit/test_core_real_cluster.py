@@ -16,9 +16,9 @@ import pytest
 
 from ddpjob_operator import api
 from ddpjob_operator.errors import SpecError
+from ddpjob_operator.events import MAX_EVENT_PODS
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 from ddpjob_operator.reconcile import (
-    MAX_EVENT_PODS,
     MAX_NEW_ACCOUNTED,
     MAX_WAITING,
     CreatePod,

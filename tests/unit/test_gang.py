@@ -1,6 +1,7 @@
 """``gangScheduling: Native`` in the pure parts: the spec, the PodGroup and pods the builders
-make, the reconciler's choice of group and its ``GangScheduled`` condition, and when the
-controller posts the PodGroup. The real scheduler's side is in tests/integration/test_gang.py."""
+make, and ``ddpjob_operator.gang``: the choice of group, the ``GangScheduled`` condition (through
+``reconcile()``), and when the PodGroup is posted (alone and through the controller). The real
+scheduler's side is in tests/integration/test_gang.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from ddpjob_operator import api, builders
-from ddpjob_operator.controller import POD_GROUP_RECHECK_SECONDS, Controller, OperatorConfig
+from ddpjob_operator import api, builders, gang
+from ddpjob_operator.controller import Controller, OperatorConfig
 from ddpjob_operator.errors import SpecError
 from ddpjob_operator.kube import ApiError, Credentials, KubeApi
 from ddpjob_operator.metrics import Metrics
@@ -177,6 +178,76 @@ def test_a_suspended_gang_is_no_longer_said_to_be_placed() -> None:
     assert gang_condition(run(plain)) is None
 
 
+def then(job: api.DDPJob, decision: Decision | None, **spec: Any) -> api.DDPJob:
+    """The job after the executor's status write, if any (with ``spec`` changed, if given)."""
+    status = job.status if decision is None else decision.status
+    job = make_job(**{**FULL, **spec}) if spec else job
+    return job.model_copy(update={"status": status})
+
+
+FULL = {"replicas": 3, "minReplicas": 3, "maxReplicas": 3}
+SUCCEEDED = PodPhase.SUCCEEDED
+ENDED = "no gang to place: the job {}"
+
+
+def test_a_finished_gang_says_the_job_ended_not_where_its_last_pods_were() -> None:
+    """A gang of 3 whose pods succeed one after another: while it completes nothing is placed
+    any more (the condition keeps its last word), and once it has succeeded the condition says
+    so, not "gang of 3 waits to be placed: 1 bound" (the last pod still running)."""
+    job = make_job(**FULL)
+    placed = run(job, pod(0), pod(1), pod(2))
+    assert gang_condition(placed) == ("True", "Placed", "gang of 3 placed: 3 of 3 pods bound")
+    job = then(job, placed)
+    completing = run(job, pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2))
+    assert gang_condition(completing) == gang_condition(placed)
+    job = then(job, completing)
+    ended = run(job, pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2, SUCCEEDED))
+    assert ended.status.phase is api.JobPhase.SUCCEEDED
+    assert gang_condition(ended) == ("False", "Succeeded", ENDED.format("succeeded"))
+    # The finished job's next passes leave its status as it is (no write).
+    job = then(job, ended)
+    assert run(job, pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2, SUCCEEDED)).status == job.status
+
+
+def test_a_failed_gang_says_the_job_ended() -> None:
+    job = make_job(**FULL, restartPolicy="Never")
+    job = then(job, run(job, pod(0), pod(1), pod(2)))
+    ended = run(job, pod(0), pod(1), pod(2, PodPhase.FAILED, exit_code=1))
+    assert ended.status.phase is api.JobPhase.FAILED
+    assert gang_condition(ended) == ("False", "Failed", ENDED.format("failed"))
+
+
+def test_a_gang_suspended_while_completing_says_it_ended_once_resumed() -> None:
+    job = make_job(**FULL)
+    job = then(job, run(job, pod(0), pod(1), pod(2)))
+    job = then(job, run(job, pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2)))
+    suspended = run(then(job, None, suspend=True), pod(0, SUCCEEDED), pod(1, SUCCEEDED), pod(2))
+    assert gang_condition(suspended) == (
+        "False",
+        "Suspended",
+        "no gang to place until the job runs again",
+    )
+    resumed = run(then(job, suspended, suspend=False), pod(0, SUCCEEDED), pod(1, SUCCEEDED))
+    assert resumed.status.phase is api.JobPhase.SUCCEEDED
+    assert gang_condition(resumed) == ("False", "Succeeded", ENDED.format("succeeded"))
+
+
+def test_a_job_an_older_operator_finished_loses_its_stale_gang_condition() -> None:
+    stale = api.set_condition(
+        [],
+        api.ConditionType.GANG_SCHEDULED,
+        False,
+        "Waiting",
+        "gang of 3 waits to be placed: 1 bound",
+        T0,
+    )
+    job = make_job(**FULL).model_copy(
+        update={"status": api.DDPJobStatus(phase=api.JobPhase.SUCCEEDED, conditions=stale)}
+    )
+    decision = run(job, pod(0, SUCCEEDED))
+    assert gang_condition(decision) == ("False", "Succeeded", ENDED.format("succeeded"))
+
+
 def test_without_the_api_the_job_runs_without_a_gang_and_says_why() -> None:
     decision = run(make_job(), served=False)
     assert groups(decision) == {0: None, 1: None, 2: None}
@@ -275,24 +346,61 @@ def test_the_pod_group_comes_before_the_pods_and_is_posted_once() -> None:
     assert kube.calls == []  # discovery is kept, the group is made
 
 
-def test_a_gang_waiting_unbound_posts_its_group_again_now_and_then() -> None:
-    """A PodGroup someone deleted would leave the gang's pods unscheduled for ever."""
+WAITING = ObservedPod("demo-worker-0", 0, "u0", PodPhase.PENDING, pod_group="demo")
+BOUND = ObservedPod("demo-worker-0", 0, "u0", PodPhase.RUNNING, pod_group="demo", node="n")
+RECENT = gang.Posted(2, 1000.0)
+LONG_AGO = gang.Posted(2, 1000.0 - gang.RECHECK_SECONDS - 1)
+FINISHED = api.DDPJobStatus(phase=api.JobPhase.SUCCEEDED)
+
+
+@pytest.mark.parametrize(
+    ("spec", "status", "served", "posted", "pods", "posts"),
+    [
+        ({}, None, True, None, [], True),  # never made by this operator (or it restarted)
+        ({}, None, True, RECENT, [BOUND], False),
+        ({}, None, True, RECENT, [WAITING], False),  # posted just now
+        # A PodGroup someone deleted would leave the gang's pods unscheduled for ever.
+        ({}, None, True, LONG_AGO, [WAITING], True),
+        ({}, None, True, LONG_AGO, [BOUND], False),  # nothing waits: nothing to repair
+        # A suspended job's minReplicas changed: the group is posted (its minCount set) again.
+        ({"minReplicas": 3}, None, True, RECENT, [BOUND], True),
+        ({}, None, False, None, [WAITING], False),  # not served: never
+        ({}, None, None, None, [WAITING], False),  # no gang asked for
+        ({}, FINISHED, True, None, [], False),
+    ],
+    ids=[
+        "new",
+        "made",
+        "waiting-recently-posted",
+        "waiting-long-ago",
+        "bound",
+        "resized",
+        "not-served",
+        "no-gang",
+        "finished",
+    ],
+)
+def test_the_pod_group_is_posted_when_new_resized_or_waited_on_long(
+    spec: dict[str, Any],
+    status: api.DDPJobStatus | None,
+    served: bool | None,
+    posted: gang.Posted | None,
+    pods: list[ObservedPod],
+    posts: bool,
+) -> None:
+    job = make_job(**spec)
+    if status is not None:
+        job = job.model_copy(update={"status": status})
+    wanted = builders.build_pod_group(job) if posts else None
+    assert gang.to_post(job, served, posted, pods, 1000.0) == wanted
+
+
+def test_the_controller_remembers_the_group_it_posted() -> None:
     body = manifest(**GANG)
     body["metadata"]["resourceVersion"] = "1"
     ctl = Controller(GangKube(body, served=True), Metrics(), OperatorConfig())  # type: ignore[arg-type]
     one_pass(ctl, body)
-    key, job = ("ml", "demo"), make_job()
-    size, made_at = ctl._pod_groups[key]
-    assert size == 2
-    waiting = [ObservedPod("demo-worker-0", 0, "u0", PodPhase.PENDING, pod_group="demo")]
-    bound = [ObservedPod("demo-worker-0", 0, "u0", PodPhase.RUNNING, pod_group="demo", node="n")]
-    assert ctl._pod_group(key, job, True, waiting) is None  # posted just now
-    ctl._pod_groups[key] = (size, made_at - POD_GROUP_RECHECK_SECONDS - 1)
-    assert ctl._pod_group(key, job, True, waiting) == builders.build_pod_group(job)
-    assert ctl._pod_group(key, job, True, bound) is None  # nothing waits: nothing to repair
-    # A suspended job's minReplicas changed: the group is posted (and its minCount set) again.
-    assert ctl._pod_group(key, make_job(minReplicas=3), True, bound) is not None
-    assert ctl._pod_group(key, job, False, waiting) is None  # not served: never
+    assert ctl._pod_groups[("ml", "demo")].min_count == 2
 
 
 def test_without_the_api_no_group_is_posted_and_pods_have_none() -> None:

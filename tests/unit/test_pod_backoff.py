@@ -2,6 +2,7 @@
 after ``spec.podBackoff`` (10 s, doubling, at most 360 s; reset after 600 s of running), and
 the counts of one pass read in the order the failures happened.
 
+The rules are ``ddpjob_operator.backoff``'s; most tests drive them through ``reconcile()``.
 The state lives in ``status.podBackoff``: every test hands the last decision's status to the
 next pass, as the executors do (and as an operator that restarts reads it back).
 """
@@ -13,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from ddpjob_operator import api
+from ddpjob_operator import api, backoff
 from ddpjob_operator.errors import SpecError
+from ddpjob_operator.events import Event
 from ddpjob_operator.observe import ObservedPod, PodPhase
-from ddpjob_operator.reconcile import CreatePod, Decision, Event
+from ddpjob_operator.reconcile import CreatePod, Decision
 
 from .jobs import manifest
 from .test_reconcile import T0, failed, kinds, make_job, pod, run, running_status
@@ -63,6 +65,47 @@ def fail_and_wait(job: api.DDPJob, t: float, ran: float = 1.0) -> tuple[api.DDPJ
     assert waiting.requeue_after is not None
     assert entry.retry_time == at(t + waiting.requeue_after)
     return step(job, waiting), waiting.requeue_after
+
+
+def entry(index: int, failures: int, seconds: float) -> api.IndexBackoff:
+    return api.IndexBackoff(index=index, failures=failures, last_failure_time=at(seconds))
+
+
+def counted(
+    index: int, seconds: float, ran: float, charged: bool = True
+) -> tuple[api.PodFailure, float]:
+    failure = api.PodFailure(
+        pod=f"demo-worker-{index}", index=index, reason="X", charged=charged, time=at(seconds)
+    )
+    return failure, ran
+
+
+@pytest.mark.parametrize(
+    ("entries", "failures", "after"),
+    [
+        ([], [counted(1, 5, 1)], [entry(1, 1, 5)]),
+        ([entry(1, 2, 0)], [counted(1, 5, 1)], [entry(1, 3, 5)]),
+        ([entry(1, 2, 0)], [counted(1, 5, 60)], [entry(1, 1, 5)]),  # ran resetAfterSeconds
+        ([entry(1, 2, 0)], [counted(1, 5, 60, charged=False)], []),  # a disruption after a run
+        ([entry(1, 2, 0)], [counted(1, 5, 1, charged=False)], [entry(1, 2, 0)]),
+        ([entry(2, 1, 0)], [counted(1, 5, 1), counted(1, 7, 1)], [entry(1, 2, 7), entry(2, 1, 0)]),
+    ],
+    ids=[
+        "first",
+        "in-a-row",
+        "reset-then-one",
+        "reset-by-disruption",
+        "disruption",
+        "two-in-a-pass",
+    ],
+)
+def test_advance_counts_each_delaying_failure_once_per_index(
+    entries: list[api.IndexBackoff],
+    failures: list[tuple[api.PodFailure, float]],
+    after: list[api.IndexBackoff],
+) -> None:
+    policy = api.PodBackoff.model_validate(SMALL)
+    assert backoff.advance(policy, entries, failures) == after
 
 
 def test_the_delays_of_one_index_double_from_the_start_up_to_the_cap() -> None:

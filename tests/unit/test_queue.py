@@ -19,6 +19,7 @@ import pytest
 
 from ddpjob_operator import api, builders, queue
 from ddpjob_operator.builders import Placement
+from ddpjob_operator.events import Event
 from ddpjob_operator.observe import ObservedPod, PodPhase
 from ddpjob_operator.queue import (
     Admission,
@@ -34,7 +35,6 @@ from ddpjob_operator.reconcile import (
     Decision,
     DeletePod,
     DeleteWhy,
-    Event,
     Observed,
     RemoveFinalizer,
     reconcile,

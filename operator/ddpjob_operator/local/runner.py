@@ -57,7 +57,7 @@ from typing import Any
 import psutil
 
 from ddpjob_operator import api, builders
-from ddpjob_operator.errors import DDPJobError
+from ddpjob_operator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, DDPJobError
 from ddpjob_operator.local.pods import (
     LocalPod,
     become_subreaper,
@@ -81,11 +81,7 @@ from ddpjob_operator.reconcile import (
 )
 from ddpjob_worker.state import Phase as AgentPhase
 
-EXIT_SUCCEEDED = 0
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 130
 TICK_SECONDS = 0.2
-CHAOS_REASON = "NodeLost (ddpjob run --chaos)"
 _STEP = re.compile(rb"DDPJOB step=(\d+)")
 
 
@@ -486,7 +482,7 @@ class LocalRunner:
             for failure in failures[-3:]:
                 lines.append(f"  {failure.pod} failed with {failure.reason}: {failure.message}")
         self.view.summary("\n".join(lines), ok=status.phase is api.JobPhase.SUCCEEDED)
-        return EXIT_SUCCEEDED if status.phase is api.JobPhase.SUCCEEDED else EXIT_FAILED
+        return EXIT_OK if status.phase is api.JobPhase.SUCCEEDED else EXIT_JOB_FAILED
 
 
 def run_job(args: argparse.Namespace) -> int:
