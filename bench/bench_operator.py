@@ -417,6 +417,24 @@ def main() -> None:
         "--no-ask-agents", action="store_true", help="with --hollow: run without --ask-agents"
     )
     parser.add_argument("--json", help="with --hollow: also write the figures to this file")
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help="with --hollow: only the start, the steady state and the passes",
+    )
+    parser.add_argument(
+        "--profile", help="with --hollow: run the operator under cProfile, its stats to this file"
+    )
+    parser.add_argument(
+        "--node-monitor-grace",
+        default="50s",
+        help="with --hollow: kube-controller-manager's --node-monitor-grace-period (its default)",
+    )
+    parser.add_argument(
+        "--node-monitor-period",
+        default="5s",
+        help="with --hollow: kube-controller-manager's --node-monitor-period (its default)",
+    )
     parser.add_argument("--quiet-seconds", type=float, default=20.0)
     parser.add_argument("--backend", choices=["emulator", "real", "both"], default="both")
     parser.add_argument(

@@ -265,6 +265,10 @@ class ControlPlane:
         default_factory=lambda: dict(RUNTIME_CONFIG)
     )
     """API versions the API server serves beyond its defaults (``--runtime-config``)."""
+    node_monitor_period: str = NODE_MONITOR_PERIOD
+    node_monitor_grace: str = NODE_MONITOR_GRACE
+    """How long a node may be silent before it is NotReady (Kubernetes' default is 50 s; the
+    tests notice a lost node in seconds)."""
     hollow: int = 0
     """Hollow nodes (:mod:`tests.kube.hollow`) started with the cluster, untainted."""
     hollow_capacity: dict[str, str] = dataclasses.field(
@@ -519,8 +523,8 @@ class ControlPlane:
                 "--use-service-account-credentials=true",
                 f"--service-account-private-key-file={self.pki.sa_key}",
                 f"--root-ca-file={self.pki.ca_cert}",
-                f"--node-monitor-period={NODE_MONITOR_PERIOD}",
-                f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+                f"--node-monitor-period={self.node_monitor_period}",
+                f"--node-monitor-grace-period={self.node_monitor_grace}",
                 "--bind-address=127.0.0.1",
                 "--secure-port=0",
                 *self._gates(),

@@ -417,12 +417,13 @@ class HollowNode:
                 raise
             self.post_status()
 
-    def post_status(self) -> None:
-        self.api.patch(
+    def post_status(self, api: Client | None = None) -> None:
+        (api or self.api).patch(
             f"/api/v1/nodes/{self.name}/status", {"status": {"conditions": self.conditions()}}
         )
 
-    def renew_lease(self) -> None:
+    def renew_lease(self, api: Client | None = None) -> None:
+        api = api or self.api
         path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}"
         spec = {
             "holderIdentity": self.name,
@@ -430,14 +431,14 @@ class HollowNode:
             "renewTime": micro_time(),
         }
         try:
-            self.api.patch(path, {"spec": spec}, kind="merge-patch")
+            api.patch(path, {"spec": spec}, kind="merge-patch")
         except ApiError as exc:
             if exc.status != 404:
                 raise
-            node = self.api.get(f"/api/v1/nodes/{self.name}")
+            node = api.get(f"/api/v1/nodes/{self.name}")
             owner = {"apiVersion": "v1", "kind": "Node", "name": self.name}
             owner["uid"] = node["metadata"]["uid"]
-            self.api.create(
+            api.create(
                 "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
                 {"metadata": {"name": self.name, "ownerReferences": [owner]}, "spec": spec},
             )
@@ -558,6 +559,8 @@ class Agents:
         self.lock = threading.Lock()
         self.hosts: dict[tuple[str, str], tuple[int, int]] = {}
         """job -> (its store host's index, the store's generation)."""
+        self.rounds: dict[tuple[str, str], tuple[tuple[int, ...], int]] = {}
+        """job -> (the members of its last round, the round's number)."""
 
     def refresh(self) -> None:
         found: dict[str, Agent] = {}
@@ -588,6 +591,10 @@ class Agents:
             if world and world[0] != host:
                 host, gen = world[0], gen + 1
                 self.hosts[agent.job] = (host, gen)
+            members, rdzv_round = self.rounds.get(agent.job, ((), 0))
+            if tuple(world) != members:  # a new round with the members of now
+                rdzv_round += 1
+                self.rounds[agent.job] = (tuple(world), rdzv_round)
         line = {
             "v": 1,
             "run": f"{agent.job[0]}-{agent.job[1]}",
@@ -597,7 +604,7 @@ class Agents:
             "host": agent.index == host,
             "phase": "running",
             "world": len(world),
-            "round": gen,
+            "round": rdzv_round,
         }
         return json.dumps(line).encode() + b"\n"
 
@@ -644,21 +651,21 @@ class Hollow:
     def agents_changed(self) -> None:
         self._agents_dirty.set()
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, node: HollowNode) -> None:
+        """One node's Lease every second and its conditions every 10 s, in a thread of its
+        own (with its own connection), as each kubelet renews its own: a node whose status
+        writes are slow does not hold back the others' Leases."""
+        api = Client(node.endpoint, node.api.session.headers["User-Agent"])
         next_status = time.monotonic() + self.config.status_seconds
         while not self.stop.is_set():
-            status_due = time.monotonic() >= next_status
-            for node in self.nodes.values():
-                if node.lost:
-                    continue
+            if not node.lost:
                 try:
-                    node.renew_lease()
-                    if status_due:
-                        node.post_status()
+                    node.renew_lease(api)
+                    if time.monotonic() >= next_status:
+                        node.post_status(api)
+                        next_status = time.monotonic() + self.config.status_seconds
                 except (ApiError, requests.RequestException) as exc:
                     log.warning("%s: heartbeat: %s", node.name, exc)
-            if status_due:
-                next_status = time.monotonic() + self.config.status_seconds
             self.stop.wait(self.config.renew_seconds)
 
     def refresh_agents(self) -> None:
@@ -736,8 +743,9 @@ class Hollow:
     def run(self) -> None:
         for node in self.nodes.values():
             node.register()
-        threads: list[Callable[[], None]] = [self.heartbeat, self.refresh_agents]
+        threads: list[Callable[[], None]] = [self.refresh_agents]
         for node in self.nodes.values():
+            threads.append(lambda node=node: self.heartbeat(node))  # type: ignore[misc]
             threads.append(lambda node=node: node.watch(self.stop))  # type: ignore[misc]
             threads.append(lambda node=node: node.run(self.stop))  # type: ignore[misc]
         if self.config.hub is not None:
