@@ -249,8 +249,8 @@ def test_the_deadline_passes(env: OperatorEnv) -> None:
 
 def test_pod0_deleted_by_a_user_comes_back_under_the_same_name(env: OperatorEnv) -> None:
     running_job(env, "theta")
-    old = env.pod("theta-worker-0")
-    assert old is not None
+    old, other = env.pod("theta-worker-0"), env.pod("theta-worker-1")
+    assert old is not None and other is not None
     assert env.delete_pod("theta-worker-0") == 200
     wait_for(lambda: env.status("theta").get("restarts") == 1, "the deletion counted")
     env.confirm_deletions("theta")
@@ -258,7 +258,9 @@ def test_pod0_deleted_by_a_user_comes_back_under_the_same_name(env: OperatorEnv)
     assert (new["spec"]["hostname"], new["spec"]["subdomain"]) == ("theta-worker-0", "theta")
     assert env.status("theta")["failures"][0]["reason"] == "Deleted"
     assert counts(env, "theta") == (1, 0)
-    assert env.pod("theta-worker-1")["metadata"]["uid"]  # type: ignore[index] # untouched
+    untouched = env.pod("theta-worker-1")  # the same pod, never deleted
+    assert untouched is not None and not untouched["metadata"].get("deletionTimestamp")
+    assert untouched["metadata"]["uid"] == other["metadata"]["uid"]
 
 
 def test_pod0_on_a_lost_node_recovers_within_the_bound(emulated: EmulatorEnv) -> None:
