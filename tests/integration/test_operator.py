@@ -382,6 +382,10 @@ def test_an_invalid_spec_is_reported_on_that_job_only(emulated: EmulatorEnv) -> 
     may read it): an InvalidSpec condition names the fields, no pod is made, and the other
     job is served."""
     env = emulated
+    env.expect_failures(
+        r"error: invalid DDPJob: spec\.nprocPerNode: must be an integer >= 1 or 'auto' \(got 0\)"
+        r".* \[DDPJob default/mu\]$"
+    )
     bad = {
         "apiVersion": "ddpjob.io/v1alpha1",
         "kind": "DDPJob",
@@ -473,6 +477,7 @@ def test_metrics_liveness_and_json_logs(env: OperatorEnv) -> None:
 
 def test_refuses_to_start_without_the_crd(tmp_path: Path) -> None:
     with operator_env(tmp_path, with_ddpjob_crd=False) as world:
+        world.expect_failures(r"exited by itself with code 2$")
         world.start_operator()
         assert world.process is not None
         assert world.process.wait(timeout=30) == 2
@@ -638,6 +643,7 @@ def test_a_pod_the_api_server_refuses_is_reported_on_the_job(emulated: EmulatorE
     The status has no condition for it (api.ConditionType has none): it counts no failure."""
     env = emulated
     refused = '422 Invalid: Pod "x" is invalid: bad'
+    env.expect_failures(rf"warn: reconcile failed \({refused}; {refused}\); retrying in 1s")
     env.control.add_fault("POST", r"/pods$", 422, count=2, message='Pod "x" is invalid: bad')
     env.create_job("psi")
     wait_for(lambda: env.events(reason="ActionFailed"), "an ActionFailed event")
