@@ -550,6 +550,20 @@ class RealEnv(OperatorEnv):
         ended = wait_for(terminated, f"{name}'s trainer to exit ({order})", timeout=60)
         if "gone" not in ended:
             assert (ended.get("exitCode"), ended.get("reason")) == (exit_code, reason), ended
+            return
+        # Deleted before its status could be read here: by the operator, which read it first.
+        # A failed pod is replaced, and its exit recorded in the job's failures; a pod that
+        # succeeded is deleted only by the cleanup of a job that succeeded.
+        job = str(pod["metadata"]["labels"]["ddpjob.io/job-name"])
+        status = self.status(job, namespace)
+        failures = status.get("failures") or []
+        recorded = [(f.get("exitCode"), f.get("reason")) for f in failures if f.get("uid") == uid]
+        said = "OOMKilled" if reason == "OOMKilled" else f"ExitCode({exit_code})"
+        expected = [] if exit_code == 0 else [(exit_code, said)]
+        assert recorded == expected and (exit_code != 0 or status.get("phase") == "Succeeded"), (
+            f"{name} ({uid}) was gone before its exit ({exit_code}) could be checked, and the "
+            f"job does not say it: phase {status.get('phase')}, failures {failures}"
+        )
 
     def confirm_deletions(self, job: str, namespace: str | None = None) -> None:
         """The process kubelet does it by itself."""
