@@ -104,6 +104,23 @@ def workloads(env: RealEnv, kueue: Kueue, job: JSON) -> list[JSON]:
     return sorted(items, key=lambda w: (w["metadata"]["creationTimestamp"], w["metadata"]["name"]))
 
 
+def usage(env: RealEnv, kueue: Kueue, queues: Queues) -> tuple[int, int, str | None]:
+    """The ClusterQueue's Workloads with quota reserved, and admitted, and the CPU they hold."""
+    found = env.k.get(kueue.path("clusterqueues", queues.cluster_queue)) or {}
+    status = found.get("status") or {}
+    cpu = [
+        str(r["total"])
+        for flavor in status.get("flavorsReservation") or []
+        for r in flavor.get("resources") or []
+        if r["name"] == "cpu"
+    ]
+    return (
+        int(status.get("reservingWorkloads", 0)),
+        int(status.get("admittedWorkloads", 0)),
+        cpu[0] if len(cpu) == 1 else None,
+    )
+
+
 def released(env: RealEnv, kueue: Kueue, job: JSON) -> JSON:
     """The job's one Workload, once Kueue's finalizer is off it."""
 
@@ -229,11 +246,20 @@ def test_two_jobs_queue_for_one_quota_and_run_one_after_the_other(
     status = real.status("second")
     assert (status.get("restarts", 0), status.get("backoffCount", 0)) == (0, 0), status
 
-    # Deleted: its Workload is Finished (OwnerNotFound), released, and garbage-collected.
+    # Deleted: its Workload is Finished (OwnerNotFound), released, and garbage-collected, and
+    # its quota is given back. (Kueue's Finished condition lives only as long as the Workload,
+    # which the garbage collector removes at once; the audit log keeps no bodies: what can be
+    # seen is the Workload gone and the ClusterQueue's usage back to nothing.)
+    assert usage(real, kueue, queues) == (1, 1, "2")
     name = wl["metadata"]["name"]
     assert real.delete_job("second") == 200
     wait_for(lambda: workloads(real, kueue, second) == [], "the deleted job's Workload gone", 60)
     assert kube.get(kueue.path("workloads", name, real.namespace)) is None
+    wait_for(
+        lambda: usage(real, kueue, queues) == (0, 0, "0"),
+        "the ClusterQueue holding no Workload and no CPU",
+        timeout=30,
+    )
 
 
 def test_a_job_whose_queue_label_is_removed_leaves_kueue_and_gives_its_quota_back(
