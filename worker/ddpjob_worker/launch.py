@@ -66,11 +66,13 @@ def launch(
     state: StateWriter,
     heartbeat_seconds: float,
     early_spares: Sequence[warm.Spare] = (),
+    agent_class: type[DdpjobAgent] = DdpjobAgent,
 ) -> dict[int, Any]:
     """torch's ``launch_agent``, with our agent, the endpoint wait and the state file.
 
     Raises ``ChildFailedError`` when the workers fail for good (torchrun's behaviour), and
-    :class:`EndpointUnreachableError` when the store never comes up.
+    :class:`EndpointUnreachableError` when the store never comes up. ``agent_class`` is for the
+    hollow agents of the scale benchmark (``tests.hollow``: stand-in workers, the same agent).
     """
     rdzv_configs = dict(config.rdzv_configs)
     if settings.is_host is not None and config.rdzv_backend == "c10d":
@@ -112,7 +114,7 @@ def launch(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
-    agent = DdpjobAgent(
+    agent = agent_class(
         spec,
         config=config,
         params=params,
