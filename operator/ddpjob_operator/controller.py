@@ -200,6 +200,10 @@ class Controller:
         """Whether the job named a LocalQueue in its last pass (see :meth:`_unqueued`)."""
         self._expected: dict[Key, Expectations] = {}
         self._ignored: dict[Key, list[str]] = {}
+        self._surveys: dict[Key, agents.Survey] = {}
+        """What each job's agents said (``--ask-agents``)."""
+        self._asks = agents.Budget(now=time.monotonic())
+        """How many agents the operator may ask now, for every job together."""
 
     # ---- wiring from the handlers ---------------------------------------------------------
 
@@ -253,6 +257,7 @@ class Controller:
             self._labelled.pop(key, None)
             self._expected.pop(key, None)
             self._ignored.pop(key, None)
+            self._surveys.pop(key, None)
             self.metrics.set_phases(self._phases)
 
     async def run_pass(
@@ -320,8 +325,7 @@ class Controller:
         expected.prune(time.monotonic(), (r.observed for r in records.values()))
         seen = tuple(r.observed for r in records.values())
         if self.config.ask_agents:
-            port = builders.CLUSTER.directory_port(job, 0)
-            seen = agents.apply(seen, await agents.ask_pods(seen, port))
+            seen = await self._ask_agents(key, job, seen)
         served = await self._serves_pod_groups(job)
         everyone = seen + expected.pending_pods(_index_of)
         kueue = await self._queue(key, job, [p for p in everyone if p.owned_by(job.metadata.uid)])
@@ -383,6 +387,19 @@ class Controller:
         if poll is not None:
             due = min(due or poll, poll)
         return due
+
+    async def _ask_agents(
+        self, key: Key, job: api.DDPJob, seen: tuple[ObservedPod, ...]
+    ) -> tuple[ObservedPod, ...]:
+        """``seen`` as the agents describe it: some asked now, as the operator-wide budget
+        allows, the others as they answered before (:mod:`~ddpjob_operator.agents`)."""
+        survey = self._surveys.setdefault(key, agents.Survey())
+        now = time.monotonic()
+        asked = survey.pick(seen, self._asks, now)
+        if asked:
+            port = builders.CLUSTER.directory_port(job, 0)
+            survey.record(await agents.ask_pods(asked, port), asked, time.monotonic())
+        return agents.apply(seen, survey.answers(seen, time.monotonic()))
 
     async def _write_status(self, key: Key, raw: JSON, status: JSON) -> None:
         version = str(raw.get("metadata", {}).get("resourceVersion", ""))
