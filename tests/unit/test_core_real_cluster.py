@@ -305,7 +305,7 @@ def test_the_status_of_a_scale_down_by_half_of_1024_pods_stays_under_20_kb() -> 
                        message="node hollow-1 is lost", node="hollow-1", time=T0)
         for p in live[: api.MAX_RECENT_FAILURES]
     ]  # fmt: skip
-    spec = {"replicas": 1024, "minReplicas": 1, "maxReplicas": 1024}
+    spec: dict[str, Any] = {"replicas": 1024, "minReplicas": 1, "maxReplicas": 1024}
     status = run(make_job(**spec), *live).status.model_copy(update={"failures": failed})
     decision = run(make_job(status, **{**spec, "replicas": 512}), *live)
     assert len([a for a in decision.actions if isinstance(a, DeletePod)]) == MAX_NEW_ACCOUNTED
