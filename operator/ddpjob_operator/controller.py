@@ -689,16 +689,17 @@ class Controller:
                 await call
             remember()
 
-        now = time.monotonic()
-
         def nothing() -> None:
             pass
 
+        # An expectation counts from when the API server answered: a 1,024-pod pass takes
+        # longer than EXPECTATION_SECONDS, and stamped at its start the last pods' expectations
+        # lapsed before kopf's watch showed them (the next pass made them again: 409s).
         def done(kind: str, uid: str) -> Callable[[], None]:
-            return lambda: expected.done.__setitem__((kind, uid), now)
+            return lambda: expected.done.__setitem__((kind, uid), time.monotonic())
 
         def created(name: str) -> Callable[[], None]:
-            return lambda: expected.created.__setitem__(name, now)
+            return lambda: expected.created.__setitem__(name, time.monotonic())
 
         groups: list[list[tuple[Any, Callable[[], None]]]] = [
             self._prerequisites(key, policy, secret, pod_group),
