@@ -208,8 +208,12 @@ def _without_counts(status: api.DDPJobStatus) -> api.DDPJobStatus:
 def settle_for(
     old: api.DDPJobStatus, new: api.DDPJobStatus, pods: int, written_at: float | None, now: float
 ) -> float | None:
-    """Seconds the write of ``new`` over ``old`` waits, or None: write now."""
+    """Seconds the write of ``new`` over ``old`` waits, or None: write now. A status in which
+    every pod is ready is written now: the end of a start or of a recovery, which users wait
+    for (and which, deferred, landed in the steady state)."""
     if pods <= SETTLE_PODS or written_at is None or not counts_only(old, new):
+        return None
+    if new.replicas > 0 and new.ready_replicas >= new.replicas:
         return None
     left = written_at + SETTLE_SECONDS - now
     return left if left > 0 else None

@@ -510,6 +510,10 @@ def test_a_large_jobs_counts_are_written_at_most_every_settle_seconds(size: int)
     _pass(ctl, body, _records(size, unready=5, failed=0))
     assert len(kube.statuses) == written + 1
     assert kube.statuses[-1]["readyReplicas"] == size - 6
+    # Within SETTLE_SECONDS again, but every pod is ready: written now.
+    _pass(ctl, body, _records(size, failed=0))
+    assert len(kube.statuses) == written + 2
+    assert (kube.statuses[-1]["readyReplicas"], kube.statuses[-1]["replicas"]) == (size - 1,) * 2
 
 
 def test_only_counts_settle() -> None:
@@ -526,6 +530,10 @@ def test_only_counts_settle() -> None:
     assert settle_for(old, old.model_copy(update={"ready_replicas": 90}), 64, 5.0, 6.0) is None
     assert settle_for(old, old.model_copy(update={"ready_replicas": 90}), 100, None, 6.0) is None
     assert settle_for(old, old.model_copy(update={"ready_replicas": 90}), 100, 5.0, 15.0) is None
+    # Every pod ready again: written now.
+    lower = old.model_copy(update={"ready_replicas": 90})
+    assert settle_for(lower, old, 100, 5.0, 6.0) is None
+    assert settle_for(lower, old.model_copy(update={"ready_replicas": 95}), 100, 5.0, 6.0) == 9.0
 
 
 def test_a_created_pods_expectation_counts_from_the_answer_not_the_pass_start() -> None:
