@@ -2,6 +2,10 @@
 
     python bench/bench_operator.py --jobs 200 --pods 8                # both, side by side
     python bench/bench_operator.py --backend real --jobs 20 --pods 8  # one
+    python bench/bench_operator.py --backend real --hollow --pods 1024  # one job of 1,024 pods
+
+``--hollow`` runs another scenario, one large job on 16 hollow nodes with the Job controller
+beside it: :mod:`bench.scale_job` says what it measures.
 
 Backends, in the same run:
 
@@ -402,7 +406,35 @@ def on_real(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=200)
-    parser.add_argument("--pods", type=int, default=8)
+    parser.add_argument("--pods", type=int, default=None, help="default 8 (1,024 with --hollow)")
+    parser.add_argument(
+        "--hollow",
+        action="store_true",
+        help="one job of --pods pods on 16 hollow nodes, with the Job controller beside it "
+        "(real backend only): bench/scale_job.py",
+    )
+    parser.add_argument(
+        "--no-ask-agents", action="store_true", help="with --hollow: run without --ask-agents"
+    )
+    parser.add_argument("--json", help="with --hollow: also write the figures to this file")
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help="with --hollow: only the start, the steady state and the passes",
+    )
+    parser.add_argument(
+        "--profile", help="with --hollow: run the operator under cProfile, its stats to this file"
+    )
+    parser.add_argument(
+        "--node-monitor-grace",
+        default="50s",
+        help="with --hollow: kube-controller-manager's --node-monitor-grace-period (its default)",
+    )
+    parser.add_argument(
+        "--node-monitor-period",
+        default="5s",
+        help="with --hollow: kube-controller-manager's --node-monitor-period (its default)",
+    )
     parser.add_argument("--quiet-seconds", type=float, default=20.0)
     parser.add_argument("--backend", choices=["emulator", "real", "both"], default="both")
     parser.add_argument(
@@ -413,6 +445,15 @@ def main() -> None:
     )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="ddpjob-bench-"))
+    if args.hollow:
+        if args.backend != "real":
+            parser.error("--hollow runs on the real control plane only: --backend real")
+        from bench import scale_job  # noqa: PLC0415 - its own scenario
+
+        args.pods = args.pods or 1024
+        scale_job.main(args, workdir)
+        return
+    args.pods = args.pods or 8
     results: dict[str, dict[str, str]] = {}
     if args.backend in ("emulator", "both"):
         (workdir / "emulator").mkdir()

@@ -1,10 +1,13 @@
-"""``python -m tests.kube up [--nodes N]`` and ``python -m tests.kube build``.
+"""``python -m tests.kube up [--nodes N] [--hollow]`` and ``python -m tests.kube build``.
 
-``up`` builds what is missing, starts the control plane and N process-kubelet nodes, prints
-``KUBECONFIG=<absolute path>`` once every node is Ready, and stays up until SIGINT or SIGTERM;
-then it stops everything it started. Run it from the repo root in the dev venv:
+``up`` builds what is missing, starts the control plane and N process-kubelet nodes (with
+``--hollow``: N hollow nodes instead, :mod:`tests.kube.hollow`, up to 16, which record pods as
+running without running them), prints ``KUBECONFIG=<absolute path>`` once every node is Ready,
+and stays up until SIGINT or SIGTERM; then it stops everything it started. Run it from the repo
+root in the dev venv:
 
     .venv/bin/python -m tests.kube up --nodes 3
+    .venv/bin/python -m tests.kube up --nodes 16 --hollow
     export KUBECONFIG=...            # the printed path
     kubectl get nodes
 
@@ -22,10 +25,10 @@ import threading
 from pathlib import Path
 
 from tests.kube.build import BuildError, build
-from tests.kube.controlplane import ControlPlane, ControlPlaneError
+from tests.kube.controlplane import MAX_HOLLOW, MAX_NODES, ControlPlane, ControlPlaneError
 
 
-def up(nodes: int, workdir: Path | None, keep: bool) -> int:
+def up(nodes: int, workdir: Path | None, keep: bool, hollow: bool = False) -> int:
     directory = workdir or Path(tempfile.mkdtemp(prefix="ddpjob-kube-"))
     stop = threading.Event()
 
@@ -35,14 +38,17 @@ def up(nodes: int, workdir: Path | None, keep: bool) -> int:
     # Until it is up, SIGINT interrupts the start (and start() stops what it started); a
     # SIGTERM kills us, and every component dies with us (PR_SET_PDEATHSIG).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    cluster = ControlPlane(directory, nodes=nodes)
+    if hollow:
+        cluster = ControlPlane(directory, nodes=0, hollow=nodes)
+    else:
+        cluster = ControlPlane(directory, nodes=nodes)
     try:
         cluster.start()
         signal.signal(signal.SIGINT, finish)
         signal.signal(signal.SIGTERM, finish)
         print(f"KUBECONFIG={cluster.kubeconfig.resolve()}", flush=True)
         print(
-            f"# {nodes} nodes ready; logs in {directory / 'logs'}; Ctrl-C stops everything",
+            f"# {nodes} {'hollow ' if hollow else ''}nodes ready; logs in {directory / 'logs'}; Ctrl-C stops everything",
             file=sys.stderr,
             flush=True,
         )
@@ -63,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("up", help="start a control plane with process-kubelet nodes")
     start.add_argument("--nodes", type=int, default=3, help="process-kubelet nodes (default 3)")
+    start.add_argument(
+        "--hollow",
+        action="store_true",
+        help=f"hollow nodes instead (up to {MAX_HOLLOW}): pods are recorded as running, not run",
+    )
     start.add_argument("--workdir", type=Path, help="keep certificates, data and logs here")
     start.add_argument("--keep", action="store_true", help="keep the work directory at the end")
     sub.add_parser("build", help="build etcd and the Kubernetes binaries (hack/kube)")
@@ -71,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             print(build())
             return 0
-        if not 1 <= args.nodes <= 14:
-            parser.error("--nodes must be between 1 and 14")
-        return up(args.nodes, args.workdir, args.keep)
+        most = MAX_HOLLOW if args.hollow else MAX_NODES
+        if not 1 <= args.nodes <= most:
+            parser.error(f"--nodes must be between 1 and {most}")
+        return up(args.nodes, args.workdir, args.keep, hollow=args.hollow)
     except (BuildError, ControlPlaneError) as exc:
         print(f"tests.kube: {exc}", file=sys.stderr)
         return 1

@@ -80,6 +80,12 @@ RUNTIME_CONFIG = {"scheduling.k8s.io/v1beta1": True}
 """The PodGroup API, beta and therefore not served by default."""
 MAX_NODES = 14
 """Pod CIDRs are /20s of a /16; node names beyond ``nodes`` are for :meth:`add_node`."""
+MAX_HOLLOW = 16
+"""Hollow nodes (:mod:`tests.kube.hollow`) share the last /20 of the pod range, a /24 each."""
+HOLLOW_CAPACITY = {"cpu": "64", "memory": "256Gi", "pods": "110", "ephemeral-storage": "1Ti"}
+HOLLOW_TAINT = {"key": "ddpjob.io/hollow", "value": "true", "effect": "NoSchedule"}
+"""What hollow nodes added to a cluster of process nodes carry, so that only pods that
+tolerate it land there (a test's pods must not be hollow by surprise)."""
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",
@@ -259,6 +265,20 @@ class ControlPlane:
         default_factory=lambda: dict(RUNTIME_CONFIG)
     )
     """API versions the API server serves beyond its defaults (``--runtime-config``)."""
+    node_monitor_period: str = NODE_MONITOR_PERIOD
+    node_monitor_grace: str = NODE_MONITOR_GRACE
+    """How long a node may be silent before it is NotReady (Kubernetes' default is 50 s; the
+    tests notice a lost node in seconds)."""
+    hollow: int = 0
+    """Hollow nodes (:mod:`tests.kube.hollow`) started with the cluster, untainted."""
+    hollow_capacity: dict[str, str] = dataclasses.field(
+        default_factory=lambda: dict(HOLLOW_CAPACITY)
+    )
+    hollow_cut_seconds: float = 5.0
+    """How long the hollow agents take to cut the pods of a lost node out of their world."""
+    hollow_port: int = 0
+    """The hollow process's control endpoint on loopback (0: none runs)."""
+    hollow_nodes: list[str] = dataclasses.field(default_factory=list)
     before_controllers: Callable[[ControlPlane], None] | None = None
     """Runs once the API server is up and before the controllers start: CRDs installed then
     are known to the garbage collector from its start (it picks up new kinds only every 30 s,
@@ -285,6 +305,15 @@ class ControlPlane:
 
     def node_name(self, index: int) -> str:
         return f"node-{index + 1}"
+
+    def hollow_name(self, index: int) -> str:
+        return f"hollow-{index + 1}"
+
+    def hollow_cidr(self, index: int) -> str:
+        return f"10.{self.octet}.{240 + index}.0/24"
+
+    def is_hollow(self, name: str) -> bool:
+        return name in self.hollow_nodes
 
     def cgroup_name(self, node: str) -> str:
         return f"ddpjob-kube-{self.octet}-{node}"
@@ -356,6 +385,7 @@ class ControlPlane:
         self.octet = _claim_pod_range()
         nodes = self.node_names()
         every_node = [self.node_name(i) for i in range(MAX_NODES)]
+        every_node += [self.hollow_name(i) for i in range(MAX_HOLLOW)]
         self.pki = pki.make_pki(
             self.workdir / "pki", ips=["127.0.0.1", "10.96.0.1"], nodes=every_node
         )
@@ -387,6 +417,8 @@ class ControlPlane:
             )  # fmt: skip
             for index in range(len(nodes)):
                 self._start_node(index)
+            if self.hollow:
+                self.add_hollow_nodes(self.hollow, taints=())
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -491,8 +523,8 @@ class ControlPlane:
                 "--use-service-account-credentials=true",
                 f"--service-account-private-key-file={self.pki.sa_key}",
                 f"--root-ca-file={self.pki.ca_cert}",
-                f"--node-monitor-period={NODE_MONITOR_PERIOD}",
-                f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+                f"--node-monitor-period={self.node_monitor_period}",
+                f"--node-monitor-grace-period={self.node_monitor_grace}",
                 "--bind-address=127.0.0.1",
                 "--secure-port=0",
                 *self._gates(),
@@ -586,9 +618,10 @@ class ControlPlane:
 
         def nodes_ready() -> bool:
             for node in names:
-                if not self.components[node].alive():
+                component = self.components["hollow" if self.is_hollow(node) else node]
+                if not component.alive():
                     raise ControlPlaneError(
-                        f"{node}'s kubelet exited; its log ends with:\n{self.components[node].tail()}"
+                        f"{node}'s kubelet exited; its log ends with:\n{component.tail()}"
                     )
             items = admin.get("/api/v1/nodes").get("items") or []
             ready = {
@@ -598,11 +631,17 @@ class ControlPlane:
                     c["type"] == "Ready" and c["status"] == "True"
                     for c in n.get("status", {}).get("conditions") or []
                 )
-                and not (n.get("spec") or {}).get("taints")
+                and not [
+                    t
+                    for t in (n.get("spec") or {}).get("taints") or []
+                    if t.get("key") != HOLLOW_TAINT["key"]
+                ]
             }
             return ready >= set(names)
 
-        self._wait("kube-controller-manager", nodes_ready)
+        self._wait(
+            "hollow" if any(map(self.is_hollow, names)) else "kube-controller-manager", nodes_ready
+        )
         self._wait(
             "kube-controller-manager",
             lambda: (
@@ -621,7 +660,12 @@ class ControlPlane:
         return self.node_name(index)
 
     def revive_node(self, name: str) -> None:
-        """A lost node comes back: a new kubelet for it (its processes are gone), Ready again."""
+        """A lost node comes back: a new kubelet for it (its processes are gone), Ready again.
+        A hollow node reports again instead, its pods as they were (:mod:`tests.kube.hollow`)."""
+        if self.is_hollow(name):
+            self._hollow_call("POST", "/revive", {"node": name})
+            self._wait_nodes([name])
+            return
         self._let_through(name)
         index = self._index(name)
         self._start_node(index)
@@ -642,7 +686,11 @@ class ControlPlane:
         (SIGKILL of its PID namespace), so their connections are reset or ended, and the hub
         answers for its pod range from then on (a connect is refused, as by a machine whose
         processes died). Its heartbeats stop; the controllers must notice by themselves.
-        :meth:`freeze_node` is the silent loss."""
+        :meth:`freeze_node` is the silent loss. A hollow node stops reporting (its pods' agents
+        fall silent): :mod:`tests.kube.hollow`."""
+        if self.is_hollow(name):
+            self._hollow_call("POST", "/lose", {"node": name})
+            return
         component = self.components[name]
         component.process.send_signal(signal.SIGKILL)
         component.process.wait(timeout=30)
@@ -660,6 +708,10 @@ class ControlPlane:
         package to install."""
         if name in self.frozen:
             raise ControlPlaneError(f"{name} is already frozen")
+        if self.is_hollow(name):  # a hollow node's loss is silent already
+            self.lose_node(name)
+            self.frozen[name] = []
+            return []
         kubelet = self._kubelet(name)
         self._drop_packets(name)
         self.frozen[name] = [kubelet.pid]
@@ -675,6 +727,11 @@ class ControlPlane:
         its PID namespace continues (SIGCONT), its kubelet first. With ``wait``, returns once
         the node is Ready and untainted again (its kubelet's next heartbeats)."""
         self.frozen.pop(name, None)
+        if self.is_hollow(name):
+            self._hollow_call("POST", "/revive", {"node": name})
+            if wait:
+                self._wait_nodes([name])
+            return
         self._let_through(name)
         component = self.components.get(name)
         if component is not None and component.alive():
@@ -684,6 +741,90 @@ class ControlPlane:
                     process.send_signal(signal.SIGCONT)
             if wait:
                 self._wait_nodes([name])
+
+    # ---- hollow nodes ---------------------------------------------------------------------
+
+    def add_hollow_nodes(
+        self,
+        count: int,
+        *,
+        taints: Sequence[dict[str, str]] = (HOLLOW_TAINT,),
+        capacity: dict[str, str] | None = None,
+    ) -> list[str]:
+        """``count`` hollow nodes (:mod:`tests.kube.hollow`), run by one process, Ready when
+        this returns; by default tainted :data:`HOLLOW_TAINT`. One set per cluster."""
+        if self.hollow_nodes:
+            raise ControlPlaneError(f"hollow nodes run already: {', '.join(self.hollow_nodes)}")
+        if not 1 <= count <= MAX_HOLLOW:
+            raise ControlPlaneError(f"hollow nodes: 1 to {MAX_HOLLOW}, not {count}")
+        from tests.kube import hollow  # noqa: PLC0415 - only clusters with hollow nodes
+
+        names = [self.hollow_name(i) for i in range(count)]
+        self.hollow_port = free_port()
+        config = hollow.Config(
+            nodes=[
+                hollow.NodeConfig(
+                    name=name,
+                    pod_cidr=self.hollow_cidr(i),
+                    node_ip=f"127.{self.octet}.1.{i + 1}",
+                    kubeconfig=self.kubeconfigs[f"system:node:{name}"],
+                )
+                for i, name in enumerate(names)
+            ],
+            capacity=capacity or self.hollow_capacity,
+            control_port=self.hollow_port,
+            taints=[dict(t) for t in taints],
+            hub=str(self.hub),
+            agent_range=f"10.{self.octet}.240.0/20",
+            cut_seconds=self.hollow_cut_seconds,
+            renew_seconds=LEASE_RENEW_SECONDS,
+            version=build.kubernetes_version(),
+        )
+        path = self.workdir / "hollow.json"
+        path.write_text(config.dump())
+        self._spawn("hollow", [sys.executable, "-m", "tests.kube.hollow", str(path)])
+        self.hollow_nodes = names
+        self._wait_nodes(names)
+        return names
+
+    def remove_hollow_nodes(self) -> None:
+        """Stop the hollow process and delete its Node objects."""
+        component = self.components.pop("hollow", None)
+        if component is not None:
+            component.stop()
+        admin = self.admin()
+        for name in self.hollow_nodes:
+            with contextlib.suppress(ApiError):
+                admin.delete(f"/api/v1/nodes/{name}")
+        self.hollow_nodes = []
+        self.hollow_port = 0
+
+    def hollow_exit(
+        self,
+        namespace: str,
+        pods: Sequence[str] = (),
+        selector: dict[str, str] | None = None,
+        code: int = 0,
+    ) -> int:
+        """The containers of hollow pods (by name, or by label) exit with ``code``; how many
+        pods were told."""
+        body = {"namespace": namespace, "pods": list(pods), "selector": selector or {}}
+        answer = self._hollow_call("POST", "/exit", {**body, "code": code})
+        return int(answer["told"])
+
+    def hollow_stats(self) -> dict[str, Any]:
+        """The hollow agents' connections per second, pods per node, lost nodes."""
+        return self._hollow_call("GET", "/stats")
+
+    def _hollow_call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        if not self.hollow_port:
+            raise ControlPlaneError("no hollow nodes run in this cluster")
+        response = requests.request(
+            method, f"http://127.0.0.1:{self.hollow_port}{path}", json=body, timeout=30
+        )
+        response.raise_for_status()
+        answer: dict[str, Any] = response.json()
+        return answer
 
     def node_addresses(self, name: str) -> str:
         """The node's pod range (its pods' addresses, in the hub)."""
@@ -757,7 +898,7 @@ class ControlPlane:
         kubelets stop as the others do), then the controllers, the API server, etcd."""
         for name in list(self.frozen):
             self.heal_node(name, wait=False)
-        order = [n for n in self.components if n.startswith("node-")]
+        order = [n for n in self.components if n.startswith("node-") or n == "hollow"]
         order += [
             n
             for n in ("dns", "kubernetes-service", "kube-scheduler", "kube-controller-manager")

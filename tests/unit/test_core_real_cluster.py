@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from typing import Any
 
 import pytest
@@ -290,3 +291,25 @@ def test_suspending_a_huge_job_deletes_within_the_bound() -> None:
     deletes = [a for a in decision.actions if isinstance(a, DeletePod)]
     assert len(deletes) == MAX_NEW_ACCOUNTED
     assert decision.requeue_after is not None
+
+
+def test_the_status_of_a_scale_down_by_half_of_1024_pods_stays_under_20_kb() -> None:
+    """The largest status bench/scale_job.py saw (24 KB with a bound of 500): a 1,024-pod job
+    scaled to 512 after a node of pods was lost, the uids of the pods it deletes (36
+    characters, as the API server's) going into accountedPods at the bound, with 20 recent
+    failures kept."""
+    live = [dataclasses.replace(p, uid=f"{p.index:08d}-0000-4000-8000-000000000000") for p in
+            (pod(i) for i in range(1024))]  # fmt: skip
+    failed = [
+        api.PodFailure(pod=p.name, index=p.index, uid=p.uid, reason="NodeLost", charged=False,
+                       message="node hollow-1 is lost", node="hollow-1", time=T0)
+        for p in live[: api.MAX_RECENT_FAILURES]
+    ]  # fmt: skip
+    spec: dict[str, Any] = {"replicas": 1024, "minReplicas": 1, "maxReplicas": 1024}
+    status = run(make_job(**spec), *live).status.model_copy(update={"failures": failed})
+    decision = run(make_job(status, **{**spec, "replicas": 512}), *live)
+    assert len([a for a in decision.actions if isinstance(a, DeletePod)]) == MAX_NEW_ACCOUNTED
+    assert len(decision.status.accounted_pods) == MAX_NEW_ACCOUNTED
+    assert len(decision.status.failures) == api.MAX_RECENT_FAILURES
+    text = json.dumps(decision.status.model_dump(by_alias=True, mode="json"), separators=(",", ":"))
+    assert 12_000 < len(text.encode()) < 20_000

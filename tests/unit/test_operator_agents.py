@@ -4,6 +4,7 @@ listener (:class:`ddpjob_worker.liveness.Listener`), and the status that follows
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import time
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from ddpjob_operator import agents
-from ddpjob_operator.agents import AgentAnswer
+from ddpjob_operator.agents import AgentAnswer, _told
 from ddpjob_operator.observe import PodPhase
 from ddpjob_worker import liveness
 
@@ -126,3 +127,105 @@ def test_status_world_is_zero_while_the_agents_rendezvous() -> None:
     seen = agents.apply((pod(0, ip="a"), pod(1, ip="b")), answers)
     status = run(job, *seen).status
     assert (status.world_size, status.ready_replicas, status.store_host) == (0, 0, "demo-worker-0")
+
+
+# ---- asking a thousand pods: a kept survey and an operator-wide budget ------------------------
+
+
+def test_the_budget_grants_a_burst_then_its_rate() -> None:
+    budget = agents.Budget(rate=10.0, burst=20, now=0.0)
+    assert budget.take(50, now=0.0) == 20
+    assert budget.take(50, now=0.5) == 5
+    assert budget.take(3, now=10.0) == 3  # refilled to the burst, not beyond
+    assert budget.take(50, now=10.0) == 17
+
+
+def test_a_job_of_up_to_a_burst_of_pods_is_asked_whole_every_2_s() -> None:
+    pods = tuple(pod(i, ip=f"10.0.0.{i}") for i in range(agents.ASK_BURST))
+    survey, budget = agents.Survey(), agents.Budget(now=0.0)
+    for second in (0.0, 2.0, 4.0):
+        asked = survey.pick(pods, budget, second)
+        assert len(asked) == len(pods)
+        survey.record(dict.fromkeys((p.name for p in asked), None), asked, second)
+
+
+def test_a_large_job_is_asked_new_pods_first_then_the_host_then_the_longest_unasked() -> None:
+    pods = [pod(i, ip=f"10.0.{i // 200}.{i % 200}") for i in range(1024)]
+    survey, budget = agents.Survey(), agents.Budget(rate=32.0, burst=64, now=0.0)
+    first = survey.pick(pods, budget, 0.0)
+    assert [p.index for p in first] == list(range(64))
+    answer = {
+        p.name: AgentAnswer(p.index, "running", 1024, host=p.index == 0, gen=1) for p in first
+    }
+    survey.record(answer, first, 0.0)
+    # 2 s later: 64 more questions; pods never asked come first, and the host of the store
+    # (pod 0, asked at 0 s) before the others asked then.
+    second = survey.pick(pods, budget, 2.0)
+    assert [p.index for p in second] == list(range(64, 128))
+    survey.record(dict.fromkeys((p.name for p in second), None), second, 2.0)
+    # A replacement of pod 5 (a new address) is asked before anyone else.
+    pods[5] = pod(5, ip="10.9.9.9")
+    third = survey.pick(pods, budget, 4.0)
+    assert [p.index for p in third][:1] == [5]
+    # Every pod is asked within 1,024 / 32 s; no more than the budget ever.
+    asked_total = 64 + 64 + len(third)
+    survey.record(dict.fromkeys((p.name for p in third), None), third, 4.0)
+    when = 4.0
+    while len(survey.answers(pods, when)) < len(pods):
+        when += 2.0
+        more = survey.pick(pods, budget, when)
+        asked_total += len(more)
+        survey.record(dict.fromkeys((p.name for p in more), None), more, when)
+    assert when <= 4.0 + 1024 / 32.0
+    assert asked_total <= 64 + 32.0 * when
+
+
+def test_the_host_is_asked_first_among_pods_asked_before() -> None:
+    pods = tuple(pod(i, ip=f"10.0.0.{i}") for i in range(4))
+    survey, budget = agents.Survey(), agents.Budget(rate=1.0, burst=1, now=0.0)
+    host = {"demo-worker-2": AgentAnswer(2, "running", 4, host=True, gen=3)}
+    survey.record(host, pods, 0.0)
+    survey.record(dict.fromkeys(["demo-worker-0", "demo-worker-1", "demo-worker-3"]), pods, 1.0)
+    assert [p.name for p in survey.pick(pods, budget, 5.0)] == ["demo-worker-2"]
+
+
+def test_kept_answers_are_forgotten_at_a_new_address_or_when_old() -> None:
+    pods = (pod(0, ip="a"), pod(1, ip="b"))
+    survey = agents.Survey()
+    said = {p.name: AgentAnswer(p.index, "running", 2, host=False, gen=1) for p in pods}
+    survey.record(said, pods, 0.0)
+    assert set(survey.answers(pods, 1.0)) == {"demo-worker-0", "demo-worker-1"}
+    moved = (pod(0, ip="a"), pod(1, ip="c"))  # pod 1 replaced
+    assert set(survey.answers(moved, 1.0)) == {"demo-worker-0"}
+    assert survey.answers(moved, agents.KEEP_SECONDS + 1.0) == {}
+
+
+def test_the_world_is_the_newest_rounds_not_one_kept_from_before() -> None:
+    """A node of 64 pods went: the pods asked since say 960 (round 8); those asked before
+    still say 1,024 (round 7) until they are asked again."""
+    pods = (pod(0, ip="a"), pod(1, ip="b"), pod(2, ip="c"))
+    answers: dict[str, AgentAnswer | None] = {
+        "demo-worker-0": AgentAnswer(0, "running", 960, host=True, gen=1, round=8),
+        "demo-worker-1": AgentAnswer(1, "running", 1024, host=False, gen=1, round=7),
+        "demo-worker-2": AgentAnswer(2, "running", 1024, host=False, gen=1, round=7),
+    }
+    seen = agents.apply(pods, answers)
+    assert [p.world_size for p in seen] == [960, None, None]
+    assert run(make_job(replicas=3), *seen).status.world_size == 960
+    assert agents.parse_answer(b'{"phase": "running", "index": 1, "round": 8}') == AgentAnswer(
+        1, "running", 0, host=False, gen=0, round=8
+    )
+
+
+def test_what_an_agent_says_is_the_record_dataclasses_replace_makes() -> None:
+    """``agents.apply`` copies fields instead of calling ``dataclasses.replace`` (a thousand
+    pods a pass): the same record, equal and hashed alike, and the original untouched."""
+    original = pod(3, ip="10.0.0.3")
+    told = _told(original, ready=False, world_size=7, store_host=True, store_gen=2)
+    replaced = dataclasses.replace(
+        original, ready=False, world_size=7, store_host=True, store_gen=2
+    )
+    assert told == replaced
+    assert hash(told) == hash(replaced)
+    assert original.world_size is None and original.ready
+    assert _told(original, ready=original.ready) is original
