@@ -32,6 +32,7 @@ from ddpjob_worker.agent import DdpjobAgent
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
 from ddpjob_worker.failover import first_store
+from ddpjob_worker.hubrdzv import HubBackend
 from ddpjob_worker.keys import HOSTED
 from ddpjob_worker.policy import (
     HOST_LINGER_SECONDS,
@@ -43,11 +44,11 @@ from ddpjob_worker.policy import (
 from ddpjob_worker.rendezvous import (
     is_jobs_store,
     seed_incarnation,
-    stop_heartbeats,
     store_params,
 )
 from ddpjob_worker.seal import Seal
 from ddpjob_worker.state import Phase, StateWriter
+from ddpjob_worker.storelink import retire
 from ddpjob_worker.workers import entrypoint_name
 
 logger = logging.getLogger("ddpjob_worker.launch")
@@ -66,11 +67,13 @@ def launch(
     state: StateWriter,
     heartbeat_seconds: float,
     early_spares: Sequence[warm.Spare] = (),
+    agent_class: type[DdpjobAgent] = DdpjobAgent,
 ) -> dict[int, Any]:
     """torch's ``launch_agent``, with our agent, the endpoint wait and the state file.
 
     Raises ``ChildFailedError`` when the workers fail for good (torchrun's behaviour), and
-    :class:`EndpointUnreachableError` when the store never comes up.
+    :class:`EndpointUnreachableError` when the store never comes up. ``agent_class`` is for the
+    hollow agents of the scale benchmark (``tests.hollow``: stand-in workers, the same agent).
     """
     rdzv_configs = dict(config.rdzv_configs)
     if settings.is_host is not None and config.rdzv_backend == "c10d":
@@ -87,10 +90,22 @@ def launch(
         **rdzv_configs,
     )
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    incarnation = seed_incarnation()
+    listener = None
+    if config.rdzv_backend == "c10d":
+        listener = liveness.listen(config.local_addr or socket.getfqdn(), settings.directory_port)
     gen, hosting = 1, bool(settings.is_host)
+    backend: HubBackend | None = None
     if settings.failover and config.rdzv_backend == "c10d" and params.endpoint:
+        # In a DDPJob pod: the store's host decides the rounds (ddpjob_worker.hub).
+        backend = HubBackend(
+            seal=Seal.from_env(),
+            incarnation=incarnation,
+            liveness_address=None if listener is None else listener.address,
+            index=settings.pod_index,
+        )
         params, gen, hosting = _find_store(params, settings)
-    handler = _first_handler(params, settings, state, hosting=hosting)
+    handler = _first_handler(params, settings, state, hosting=hosting, backend=backend, gen=gen)
     signals.check()
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
@@ -112,7 +127,7 @@ def launch(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
-    agent = DdpjobAgent(
+    agent = agent_class(
         spec,
         config=config,
         params=params,
@@ -122,6 +137,8 @@ def launch(
         early_spares=early_spares,
         gen=gen,
         hosting=hosting,
+        listener=listener,
+        backend=backend,
     )
     shutdown_rdzv = True
     succeeded = False
@@ -160,7 +177,7 @@ def launch(
                     HOST_LINGER_SECONDS,
                 )
                 time.sleep(HOST_LINGER_SECONDS)
-        stop_heartbeats(spec.rdzv_handler)
+        retire(spec.rdzv_handler)
 
 
 def _find_store(
@@ -227,23 +244,23 @@ def _port_busy(exc: BaseException) -> bool:
 
 
 def _host_store(
-    params: RendezvousParameters, settings: Settings, state: StateWriter
+    make: Callable[[], RendezvousHandler], endpoint: str, settings: Settings, state: StateWriter
 ) -> RendezvousHandler:
-    """Host the store at ``params.endpoint``; while its port is taken (the pod we replace may
-    still hold it, terminating, on a hostNetwork node), try again with a back-off up to the
+    """Host the store at ``endpoint`` (``make()``); while its port is taken (the pod we replace
+    may still hold it, terminating, on a hostNetwork node), try again with a back-off up to the
     join timeout, saying what we wait for."""
     deadline = time.monotonic() + settings.join_timeout
     attempt = 0
     while True:
         signals.check()
         try:
-            return rdzv_registry.get_rendezvous_handler(params)
+            return make()
         except RendezvousConnectionError as exc:
             if not _port_busy(exc):
                 raise
             if time.monotonic() >= deadline:
                 raise EndpointUnreachableError(
-                    f"could not host the rendezvous store at {params.endpoint}: its port stayed "
+                    f"could not host the rendezvous store at {endpoint}: its port stayed "
                     f"in use for the join timeout ({settings.join_timeout:g}s); something else "
                     "listens there (another job's store, on the same node with hostNetwork?)"
                 ) from exc
@@ -253,7 +270,7 @@ def _host_store(
             logger.warning(
                 "the rendezvous port of %s is in use (the pod we replace may still hold it): "
                 "trying again in %.1fs, until the join timeout",
-                params.endpoint,
+                endpoint,
                 delay,
             )
             attempt += 1
@@ -261,12 +278,26 @@ def _host_store(
 
 
 def _first_handler(
-    params: RendezvousParameters, settings: Settings, state: StateWriter, *, hosting: bool
+    params: RendezvousParameters,
+    settings: Settings,
+    state: StateWriter,
+    *,
+    hosting: bool,
+    backend: HubBackend | None,
+    gen: int,
 ) -> RendezvousHandler:
-    """Wait for the endpoint (unless we host it), then create the rendezvous handler."""
-    seed_incarnation()
+    """Wait for the endpoint (unless we host it), then create the rendezvous handler: a hub's
+    (``backend``, store failover on) or torch's own."""
+    if backend is not None:
+        if hosting:
+            return _host_store(
+                lambda: backend.host(params, gen=gen), params.endpoint, settings, state
+            )
+        return _reach_store(params, settings, state, lambda: backend.client(params))
     if params.backend == "c10d" and hosting and params.endpoint:
-        return _host_store(params, settings, state)
+        return _host_store(
+            lambda: rdzv_registry.get_rendezvous_handler(params), params.endpoint, settings, state
+        )
     if params.backend != "c10d" or hosting or not params.endpoint:
         return rdzv_registry.get_rendezvous_handler(params)
     host, port = split_endpoint(params.endpoint)
@@ -274,6 +305,24 @@ def _first_handler(
         # No explicit host (plain torchrun usage, or --standalone): torch decides by hostname,
         # and we may be the one to host the store, so we must not wait for it.
         return rdzv_registry.get_rendezvous_handler(params)
+    seal = Seal.from_env()
+
+    def client() -> RendezvousHandler | None:
+        handler: RendezvousHandler = rdzv_registry.get_rendezvous_handler(params)
+        return handler if is_jobs_store(handler, seal) else None
+
+    return _reach_store(params, settings, state, client)
+
+
+def _reach_store(
+    params: RendezvousParameters,
+    settings: Settings,
+    state: StateWriter,
+    client: Callable[[], RendezvousHandler | None],
+) -> RendezvousHandler:
+    """Wait for the store at ``params.endpoint`` to resolve, accept and answer as the job's
+    (``client()`` is None when it is not), within the join timeout."""
+    host, port = split_endpoint(params.endpoint)
     deadline = time.monotonic() + settings.join_timeout
     state.update(phase=Phase.WAITING)
     while True:
@@ -287,7 +336,7 @@ def _first_handler(
                 "rendezvous endpoint %s:%d is up after %d tries", host, port, probe.attempts
             )
         try:
-            handler = rdzv_registry.get_rendezvous_handler(params)
+            handler = client()
         except RendezvousConnectionError as exc:
             if deadline - time.monotonic() <= 0:
                 raise EndpointUnreachableError(
@@ -296,7 +345,7 @@ def _first_handler(
                 ) from exc
             time.sleep(0.2)
             continue
-        if is_jobs_store(handler, Seal.from_env()):
+        if handler is not None:
             return handler
         if deadline - time.monotonic() <= 0:
             raise EndpointUnreachableError(

@@ -44,10 +44,15 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import (  # the exit barrier's key (wire format)
     _TERMINAL_STATE_SYNC_ID,
 )
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     _Action,
@@ -63,11 +68,21 @@ from torch.distributed.elastic.utils.store import (  # the barrier's check-in, t
 )
 
 from ddpjob_worker import signals, watch
+from ddpjob_worker.errors import StoreUnreachableError
 from ddpjob_worker.failover import round_is_full
-from ddpjob_worker.keys import END_DROPPED, END_LEAVE, HOSTED, RunKeys, key
+from ddpjob_worker.keys import (
+    END_DROPPED,
+    END_FAILURE,
+    END_HANDOVER,
+    END_LEAVE,
+    HOSTED,
+    RunKeys,
+    key,
+)
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import INCARNATION_SHIFT, NodeIdent, NodeRepr, ident
 from ddpjob_worker.seal import Seal, SealError
+from ddpjob_worker.watch import Look, RoundView, RoundWatch, round_view
 
 logger = logging.getLogger("ddpjob_worker.rendezvous")
 
@@ -184,7 +199,7 @@ class RendezvousAdapter:
     def round(self) -> int | None:
         return self._round
 
-    def joined(self, gen: int = 1) -> None:
+    def note_round(self, gen: int = 1) -> None:
         """Note the round just joined (call right after ``next_rendezvous``); the lowest rank
         records its members in the store as the base of the next round's majority."""
         state = self._holder.state
@@ -199,6 +214,60 @@ class RendezvousAdapter:
     def expect(self, nodes: Iterable[NodeIdent] | None) -> None:
         """The nodes the next round waits for before it completes (None: torch's last call)."""
         self.expected = None if nodes is None else frozenset(nodes)
+
+    def joined(
+        self, gen: int, *, my_address: str | None, failover: bool
+    ) -> tuple[RoundView, dict[NodeRepr, str]]:
+        """Note the round just joined, and read its view and the members to watch. Raises the
+        store's errors."""
+        self.note_round(gen)
+        return round_view(
+            self.keys,
+            self.ranks,
+            base_id=f"{gen}.{self._round}",
+            my_address=my_address,
+            failover=failover,
+        )
+
+    def publish(self, liveness: str | None, *, hosting: bool, index: int | None) -> None:
+        """Publish where our liveness socket answers and our pod index (again on every store:
+        a recovered store starts empty); as the store's host, that the store is the job's."""
+        if hosting:
+            self.keys.mark_hosted()
+        if liveness is not None:
+            self.keys.publish(liveness, host=hosting, index=index)
+
+    def look(self, watch: RoundWatch, *, hosting: bool, limit: float) -> Look:
+        """One tick's look (:meth:`ddpjob_worker.watch.RoundWatch.look`): the store's waiting
+        nodes and the round's end, and the peers' answers."""
+        handler = self._handler
+
+        def read() -> tuple[int, frozenset[str]]:
+            try:
+                return handler.num_nodes_waiting(), self.round_over()
+            except (RendezvousConnectionError, DistNetworkError, DistStoreError) as exc:
+                # torch wraps store errors in RendezvousConnectionError; our own look does not
+                raise StoreUnreachableError(str(exc)) from exc
+
+        def drop(silent: frozenset[NodeRepr], gone: frozenset[NodeRepr]) -> None:
+            self.announce_silent(sorted(silent))
+            if self.fenced:
+                self.keys.confirm_gone(ident(node) for node in gone)
+            self.announce_end(END_FAILURE)
+            self.expire(self._members & (silent | gone))
+
+        return watch.look(read, drop, hosting=hosting, limit=limit)
+
+    def leave(self, timeout: float, *, hosting: bool) -> None:
+        """Leave the run without closing it; as the store's host (failover on), hand it over:
+        name ourselves gone and announce ``handover`` (the store stays up until we exit, but
+        nobody waits for it)."""
+        if hosting:
+            self.keys.confirm_gone([ident(self.me)])
+            self.announce_end(END_LEAVE, END_HANDOVER)
+            logger.info("handed the rendezvous store over: the others carry on without us")
+            return
+        self._leave(timeout)
 
     # -- the round's end ----------------------------------------------------------------------
 
@@ -303,7 +372,7 @@ class RendezvousAdapter:
                     )
                     return
 
-    def leave(self, timeout: float) -> None:
+    def _leave(self, timeout: float) -> None:
         """Leave the run without closing it: say so in the ``left`` key, then remove ourselves
         from the round's participants (torch's exit op, within ``timeout``: one
         compare-and-set, normally milliseconds). Peers re-form without us at once."""

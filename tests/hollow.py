@@ -1,0 +1,449 @@
+"""Hollow agents: many agents to a process, each on a loopback address of its own, with workers
+that are not processes.
+
+As kubemark's hollow kubelet is a real kubelet that starts no containers, a hollow agent is the
+real ``ddpjob-agent`` (``ddpjob_worker.launch.launch`` with the same settings the operator's env
+contract gives a pod: its rendezvous through the real c10d TCPStore, the peer watch, store
+failover and fencing), whose workers only "step" on a clock: they never import torch, never
+fork, and are healthy until the agent stops them. ``mode: torch`` runs stock torch instead
+(torch's ``LocalElasticAgent`` and c10d rendezvous, the same hollow workers): the anchor.
+
+One process hosts the agents a spec names (JSON on stdin) and reports, as JSON lines on stdout,
+each agent's rounds (``{"ev": "round", "i": index, "t": wall time, "round": "<gen>.<round>",
+"world": size}``) and exits. A fault is applied to a whole process (SIGKILL, SIGSTOP), so a
+process is a node: one agent for a single loss, 64 for a node of 64. The driver is
+``bench/bench_membership.py``; ``tests/integration/test_hollow.py`` runs a small one.
+
+    python -m tests.hollow < spec.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import selectors
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ddpjob_worker.contract import AgentContract, agent_env
+
+EVENTS_LOCK = threading.Lock()
+HOLLOW_ENTRYPOINT = "hollow-worker"
+"""What the stand-in workers 'run' (never started)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSpec:
+    index: int
+    addr: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One hollow process: its agents, and the job they belong to."""
+
+    mode: str
+    """``ddpjob`` (our agent) or ``torch`` (stock torch: the anchor)."""
+    run_id: str
+    key: str
+    endpoint: str
+    min_nodes: int
+    max_nodes: int
+    agents: tuple[AgentSpec, ...]
+    directory_port: int = 29401
+    peers: tuple[str, ...] = ()
+    keep_alive_interval: int = 1
+    keep_alive_max_attempt: int = 5
+    last_call_timeout: int = 2
+    join_timeout: int = 900
+    max_restarts: int = 1000
+    """Membership is measured, not budgets: no agent gives up."""
+
+    @classmethod
+    def from_json(cls, text: str) -> Spec:
+        raw = json.loads(text)
+        raw["agents"] = tuple(AgentSpec(**agent) for agent in raw["agents"])
+        raw["peers"] = tuple(raw.get("peers", ()))
+        return cls(**raw)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    def contract(self, agent: AgentSpec) -> AgentContract:
+        """The env contract the operator would give this agent's pod."""
+        host, _, port = self.endpoint.rpartition(":")
+        return AgentContract(
+            job_name="hollow",
+            run_id=self.run_id,
+            pod_index=agent.index,
+            endpoint_host=host,
+            port=int(port),
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            nproc_per_node=1,
+            max_restarts=self.max_restarts,
+            join_timeout=self.join_timeout,
+            last_call_timeout=self.last_call_timeout,
+            close_timeout=30,
+            keep_alive_interval=self.keep_alive_interval,
+            keep_alive_max_attempt=self.keep_alive_max_attempt,
+            grace_seconds=5,
+            state_file="",
+            directory_port=self.directory_port if self.peers else 0,
+            peers=self.peers,
+        )
+
+
+def worker_port(spec: Spec) -> int:
+    return int(spec.endpoint.rpartition(":")[2]) + WORKER_PORT_OFFSET
+
+
+def emit(**event: Any) -> None:
+    line = json.dumps({"t": time.time(), **event}, separators=(",", ":"))
+    with EVENTS_LOCK:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+# -- the stand-in workers ---------------------------------------------------------------------
+
+WORKER_PORT_OFFSET = 2
+"""A hollow worker listens at its agent's address on the rendezvous port + 2."""
+
+
+class Collectives:
+    """What a job's collectives do for failure detection, for every hollow worker of this
+    process, on one selector thread: each worker of a round holds one TCP connection to the
+    next rank's worker (a ring, as gloo's allreduce has), so a worker whose peer's process dies,
+    or whose peer is stopped by its agent, sees the connection close and fails, and its agent
+    restarts; a frozen or cut-off peer leaves it waiting, as gloo does until its timeout."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._failed: dict[int, bool] = {}
+        self._socks: dict[int, list[socket.socket]] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", -1))
+        threading.Thread(target=self._run, name="hollow-collectives", daemon=True).start()
+
+    def listen(self, index: int, addr: str, port: int) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(64)
+        sock.setblocking(False)
+        with self._lock:
+            self._selector.register(sock, selectors.EVENT_READ, ("listen", index))
+        self._wake_w.send(b"x")
+
+    def start(self, index: int, successor: tuple[str, int] | None, token: str) -> None:
+        """Worker ``index`` of a new round: connect to the next rank's worker (none in a round
+        of one)."""
+        self.stop(index)
+        with self._lock:
+            self._failed[index] = False
+        if successor is None:
+            return
+        try:
+            sock = socket.create_connection(successor, timeout=5)
+            sock.sendall(token.encode() + b"\n")
+        except OSError:
+            with self._lock:
+                self._failed[index] = True
+            return
+        sock.setblocking(False)
+        with self._lock:
+            self._socks.setdefault(index, []).append(sock)
+            self._selector.register(sock, selectors.EVENT_READ, ("peer", index))
+        self._wake_w.send(b"x")
+
+    def failed(self, index: int) -> bool:
+        with self._lock:
+            return self._failed.get(index, False)
+
+    def stop(self, index: int) -> None:
+        """Worker ``index`` stops: its connections close (its peers' collectives break)."""
+        with self._lock:
+            socks = self._socks.pop(index, [])
+            for sock in socks:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(sock)
+                sock.close()
+            self._failed.pop(index, None)
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                kind, index = key.data
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if kind == "wake":
+                    sock.recv(4096)
+                elif kind == "listen":
+                    with contextlib.suppress(OSError):
+                        conn, _ = sock.accept()
+                        conn.setblocking(False)
+                        with self._lock:
+                            self._socks.setdefault(index, []).append(conn)
+                            self._selector.register(conn, selectors.EVENT_READ, ("peer", index))
+                else:
+                    try:
+                        data = sock.recv(4096)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:  # the peer's worker is gone
+                        with self._lock:
+                            with contextlib.suppress(KeyError, ValueError):
+                                self._selector.unregister(sock)
+                            sock.close()
+                            if index in self._failed:
+                                self._failed[index] = True
+
+
+_COLLECTIVES: list[Collectives] = []
+_ERROR_FILE: list[str] = []
+
+
+def error_file() -> str:
+    """A worker error file (torch's format) of a collective broken under the worker."""
+    if not _ERROR_FILE:
+        fd, path = tempfile.mkstemp(prefix="hollow-error-", suffix=".json")
+        message = "DistNetworkError: Connection closed by peer (a hollow worker's ring broke)"
+        error = {"message": {"message": message, "extraInfo": {"timestamp": "0"}}}
+        with os.fdopen(fd, "w") as out:
+            json.dump(error, out)
+        _ERROR_FILE.append(path)
+    return _ERROR_FILE[0]
+
+
+def collectives() -> Collectives:
+    if not _COLLECTIVES:
+        _COLLECTIVES.append(Collectives())
+    return _COLLECTIVES[0]
+
+
+class HollowWorkers:
+    """Workers that are not processes (see :class:`Collectives`): healthy from their start
+    until a peer of their ring goes away or the agent stops them. Mixed into an agent class
+    ahead of torch's ``LocalElasticAgent``."""
+
+    _hollow_index = -1
+    _hollow_addr = ""
+    _hollow_port = 0
+
+    def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+        store, rank, world = (
+            worker_group.store,
+            worker_group.group_rank,
+            worker_group.group_world_size,
+        )
+        me = f"{self._hollow_addr}:{self._hollow_port}"
+        store.set(f"hollow/{rank}", me)
+        successor = None
+        if world > 1:
+            host, _, port = (
+                bytes(store.get(f"hollow/{(rank + 1) % world}")).decode().rpartition(":")
+            )
+            successor = (host, int(port))
+        collectives().start(self._hollow_index, successor, token=f"{rank}")
+        return {worker.local_rank: -1 - worker.local_rank for worker in worker_group.workers}
+
+    def _monitor_workers(self, worker_group: Any) -> Any:
+        from torch.distributed.elastic.agent.server.api import (  # noqa: PLC0415
+            RunResult,
+            WorkerState,
+        )
+        from torch.distributed.elastic.multiprocessing.errors import (  # noqa: PLC0415
+            ProcessFailure,
+        )
+
+        if collectives().failed(self._hollow_index):
+            # What a gloo worker whose peer went away writes: a communication error.
+            failure = ProcessFailure(local_rank=0, pid=-1, exitcode=1, error_file=error_file())
+            rank = worker_group.workers[0].global_rank if worker_group.workers else 0
+            return RunResult(state=WorkerState.FAILED, failures={rank: failure})
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        collectives().stop(self._hollow_index)
+        super()._shutdown(*args, **kwargs)  # type: ignore[misc]
+
+    def _stop_workers(self, worker_group: Any, *args: Any) -> None:
+        collectives().stop(self._hollow_index)
+        super()._stop_workers(worker_group, *args)  # type: ignore[misc]
+
+    def _rendezvous(self, worker_group: Any) -> None:
+        super()._rendezvous(worker_group)  # type: ignore[misc]
+        handler = worker_group.spec.rdzv_handler
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        torch_round = getattr(state, "round", -1)
+        gen = getattr(getattr(self, "_link", None), "view", None)
+        emit(
+            ev="round",
+            i=self._hollow_index,
+            round=f"{getattr(gen, 'gen', 1)}.{torch_round}",
+            world=worker_group.group_world_size,
+        )
+
+
+# -- one agent ----------------------------------------------------------------------------------
+
+
+def torch_argv(spec: Spec, agent: AgentSpec, env: Mapping[str, str]) -> list[str]:
+    """torchrun's flags for this agent, from its pod's env contract (as the PET_* variables
+    would give them)."""
+    return [
+        "--nnodes",
+        env["PET_NNODES"],
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        env["PET_RDZV_ENDPOINT"],
+        "--rdzv-id",
+        env["PET_RDZV_ID"],
+        "--rdzv-conf",
+        env["PET_RDZV_CONF"],
+        "--max-restarts",
+        env["PET_MAX_RESTARTS"],
+        "--monitor-interval",
+        env["PET_MONITOR_INTERVAL"],
+        "--local-addr",
+        agent.addr,
+        HOLLOW_ENTRYPOINT,
+    ]
+
+
+def run_ddpjob_agent(spec: Spec, agent: AgentSpec) -> None:
+    from torch.distributed.run import config_from_args, get_args_parser  # noqa: PLC0415
+
+    from ddpjob_worker.agent import DdpjobAgent  # noqa: PLC0415
+    from ddpjob_worker.launch import launch  # noqa: PLC0415
+    from ddpjob_worker.policy import resolve_settings  # noqa: PLC0415
+    from ddpjob_worker.state import StateWriter  # noqa: PLC0415
+
+    class HollowDdpjobAgent(HollowWorkers, DdpjobAgent):
+        _hollow_index = agent.index
+        _hollow_addr = agent.addr
+        _hollow_port = worker_port(spec)
+
+    env = agent_env(spec.contract(agent))
+    env["DDPJOB_WARM_WORKERS"] = "0"
+    args = get_args_parser().parse_args(torch_argv(spec, agent, env))
+    config, entrypoint, cmd_args = config_from_args(args)
+    settings = resolve_settings(config.rdzv_configs, env)
+    launch(
+        config,
+        entrypoint,
+        list(cmd_args),
+        settings=settings,
+        state=StateWriter(None),
+        heartbeat_seconds=5.0,
+        agent_class=HollowDdpjobAgent,
+    )
+
+
+def run_torch_agent(spec: Spec, agent: AgentSpec) -> None:
+    """Stock torch: its agent and its c10d rendezvous, with the same hollow workers."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec  # noqa: PLC0415
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: PLC0415
+        LocalElasticAgent,
+    )
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousParameters,
+        registry,
+    )
+    from torch.distributed.run import config_from_args, get_args_parser  # noqa: PLC0415
+
+    class HollowTorchAgent(HollowWorkers, LocalElasticAgent):
+        _hollow_index = agent.index
+        _hollow_addr = agent.addr
+        _hollow_port = worker_port(spec)
+
+    env = agent_env(spec.contract(agent))
+    args = get_args_parser().parse_args(torch_argv(spec, agent, env))
+    config, entrypoint, cmd_args = config_from_args(args)
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    worker_spec = WorkerSpec(
+        role=config.role,
+        local_world_size=1,
+        entrypoint=entrypoint,
+        args=tuple(cmd_args),
+        rdzv_handler=registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+    )
+    assert config.logs_specs is not None
+    HollowTorchAgent(worker_spec, config.logs_specs).run()
+
+
+def run_agent(
+    spec: Spec, agent: AgentSpec, done: Callable[[int, BaseException | None], None]
+) -> None:
+    try:
+        if spec.mode == "torch":
+            run_torch_agent(spec, agent)
+        else:
+            run_ddpjob_agent(spec, agent)
+    except BaseException as exc:  # reported, the process goes on hosting the others
+        done(agent.index, exc)
+    else:
+        done(agent.index, None)
+
+
+def serve(spec: Spec) -> None:
+    os.environ["DDPJOB_STORE_KEY"] = spec.key
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401, PLC0415
+
+    from ddpjob_worker.rendezvous import seed_incarnation  # noqa: PLC0415
+
+    seed_incarnation()
+
+    def done(index: int, exc: BaseException | None) -> None:
+        emit(ev="exit", i=index, error=None if exc is None else f"{type(exc).__name__}: {exc}")
+
+    for agent in spec.agents:
+        collectives().listen(agent.index, agent.addr, worker_port(spec))
+    for agent in spec.agents:
+        threading.Thread(
+            target=run_agent, args=(spec, agent, done), name=f"hollow-{agent.index}", daemon=True
+        ).start()
+    emit(ev="started", agents=[agent.index for agent in spec.agents], pid=os.getpid())
+    sys.stdin.read()  # the driver closes it (or kills us)
+    os._exit(0)
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=os.environ.get("HOLLOW_LOGLEVEL", "WARNING"),
+        format="[hollow %(asctime)s %(levelname)s %(name)s %(threadName)s] %(message)s",
+        stream=sys.stderr,
+    )
+    spec = Spec.from_json(sys.stdin.readline())
+    serve(spec)
+
+
+if __name__ == "__main__":
+    main()
