@@ -84,7 +84,6 @@ class HubRendezvousHandler(RendezvousHandler):
         self._info: RoundInfo | None = None
         self.port = int(getattr(store, "port", 0) or 0)
         """The store's port (a new host's may be one the kernel picked)."""
-        self.fenced = True
         self.while_waiting: Callable[[], None] | None = None
 
     # -- torch's interface ----------------------------------------------------------------------

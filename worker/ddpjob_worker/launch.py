@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -215,9 +216,20 @@ def _find_store(
         time.sleep(0.2)
 
 
-def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
-    """Every answer of the agents at ``peers`` (a name may resolve to many addresses)."""
+ASK_PEERS = 16
+"""How many of the job's pods a starting agent asks which store carries the job: a sample, so
+that a job of 1,024 pods starting at once asks 16 thousand questions, not a million. Any live
+member names the current store; pod 0's own address is always among them."""
+
+
+def _ask_peers(
+    peers: Sequence[str], sample: int = ASK_PEERS, rng: random.Random | None = None
+) -> list[dict[str, Any]]:
+    """The answers of up to ``sample`` of the agents at ``peers`` (a name may resolve to many
+    addresses: the headless Service's resolves to every pod's), always with the first
+    address each name resolves to."""
     addresses: dict[str, str] = {}
+    first: set[str] = set()
     for peer in peers:
         host, port = split_endpoint(peer, default_port=-1)
         try:
@@ -225,10 +237,17 @@ def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
         except OSError as exc:
             logger.info("no address for %s yet: %s", peer, exc)
             continue
-        for info in infos:
+        for k, info in enumerate(infos):
             ip = str(info[4][0])
             shown = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
             addresses[shown] = shown
+            if k == 0:
+                first.add(shown)
+    if len(addresses) > sample:
+        rest = sorted(set(addresses) - first)
+        picker = rng or random.Random()  # noqa: S311 - a sample of peers, not a secret
+        chosen = first | set(picker.sample(rest, max(0, sample - len(first))))
+        addresses = {address: address for address in sorted(chosen)}
     answers = liveness.ask_all(addresses)
     return [dict(answer.info) for answer in answers.values() if answer.info is not None]
 

@@ -107,7 +107,6 @@ class StoreLink:
             rdzv = RendezvousAdapter.attach(handler, self._seal)
         if rdzv is None:
             return None
-        rdzv.fenced = self._settings.failover
         rdzv.while_waiting = self.check_superseded
         try:
             rdzv.publish(

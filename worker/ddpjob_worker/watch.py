@@ -141,8 +141,6 @@ class RoundControl(Protocol):
     c10d handler (:class:`ddpjob_worker.rendezvous.RendezvousAdapter`) and the hub's handler
     (:class:`ddpjob_worker.hubrdzv.HubRendezvousHandler`) both do it."""
 
-    fenced: bool
-    """Rounds complete only with a majority of the last round's members (failover on)."""
     while_waiting: Callable[[], None] | None
     """Called about once a second while a join waits; may raise to abandon the store."""
 
@@ -323,19 +321,13 @@ class RoundWatch:
 
 
 def round_view(
-    keys: RunKeys,
-    ranks: Mapping[NodeRepr, int],
-    *,
-    base_id: str,
-    my_address: str | None,
-    failover: bool,
+    keys: RunKeys, ranks: Mapping[NodeRepr, int], *, base_id: str, my_address: str | None
 ) -> tuple[RoundView, dict[NodeRepr, str]]:
     """The round just joined (its members' ``ranks``), read from the run's keys: the view, and
     the other members' liveness addresses. Raises the store's errors."""
     others = set(ranks) - {keys.me}
     addresses = keys.addresses(others)
     host = keys.host()
-    base = keys.indexes(ident(node) for node in ranks) if failover else {}
     known = {ident(node): address for node, address in addresses.items()}
     if my_address is not None:
         known[ident(keys.me)] = my_address
@@ -344,7 +336,7 @@ def round_view(
         base_id=base_id,
         ranks={ident(node): rank for node, rank in ranks.items()},
         addresses=known,
-        base=base,
+        base={},
         host=host,
         host_address=None if host is None else addresses.get(host),
     )
