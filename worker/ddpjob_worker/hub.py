@@ -61,6 +61,8 @@ CHAIN = 4
 whole round (the next majority's base)."""
 STALL_SECONDS = 1.0
 """A hub tick this late means the hub itself was stalled: it judges nobody for that time."""
+VETO_LOG_SECONDS = 5.0
+"""How often a round fenced for lack of a majority says so."""
 BATCH_SECONDS = 2.0
 """The longest a confirmed loss waits for other suspects' probes before it is cut."""
 
@@ -149,6 +151,9 @@ class Hub:
         self._cuts = 0
         self._closed = False
         self._ticked = clock()
+        self._vetoed = -VETO_LOG_SECONDS
+        self._replaced: set[NodeIdent] = set()
+        """Members whose pod a newcomer with their index replaced."""
         self._server: asyncio.AbstractServer | None = None
         self._task: asyncio.Task[None] | None = None
         self.view = self._snapshot()
@@ -228,6 +233,8 @@ class Hub:
         self._sessions[ident] = session
         self._suspects.pop(ident, None)
         self._send(session, {"t": "welcome", "gen": self.gen, "round": self._round})
+        if ident in self._replaced:
+            self._send(session, {"t": "replaced", "gen": self.gen})
         self._update()
         return session
 
@@ -265,6 +272,10 @@ class Hub:
     def _join(self, session: _Session) -> None:
         if self._closed:
             self._send(session, {"t": "closed", "gen": self.gen})
+            return
+        if session.ident in self._replaced:
+            # Its pod was replaced (a pod of its index is in the round): it must not train.
+            self._send(session, {"t": "replaced", "gen": self.gen})
             return
         if not self._forming and session.ident in self._participants:
             # A member of the running round that asks again: its workers stopped on their own.
@@ -396,12 +407,35 @@ class Hub:
             return
         indexes = {s.ident: s.index for s in joined}
         if self._base and not has_quorum(idents, self._base, self._gone, indexes):
-            return  # fenced: a majority of the last round is not here
+            # Fenced: a majority of the last round is not here (maybe the other side of a
+            # partition has it).
+            if now - self._vetoed >= VETO_LOG_SECONDS:
+                self._vetoed = now
+                logger.info(
+                    "round %d.%d waits for a majority of the last round's members (%s): has %d "
+                    "of %d, %d known gone",
+                    self.gen,
+                    self._round,
+                    self._base_id,
+                    len(idents & set(self._base)),
+                    len(self._base),
+                    len(self._gone & set(self._base)),
+                )
+            return
         self._complete(joined[: self._max] if count > self._max else joined)
 
     def _complete(self, joined: list[_Session]) -> None:
         ordered = sorted(joined, key=lambda s: (s.index is None, s.index or 0, s.ident))
         self._participants = {s.ident: rank for rank, s in enumerate(ordered)}
+        # A member of the last round whose pod index a newcomer of this one has was replaced:
+        # the operator makes pod i again only once the old pod object is gone. If its agent
+        # comes back (healed from a partition), it must not train beside its replacement.
+        indexes = {s.index for s in ordered if s.index is not None}
+        self._replaced |= {
+            ident
+            for ident, index in self._base.items()
+            if index in indexes and ident not in self._participants
+        }
         base = {s.ident: s.index for s in ordered}
         base_id = f"{self.gen}.{self._round}"
         chain = [[s.ident, s.index, s.liveness] for s in ordered[:CHAIN]]

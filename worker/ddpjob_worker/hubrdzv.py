@@ -36,6 +36,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ddpjob_worker import signals
+from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
+from ddpjob_worker.errors import AgentError
 from ddpjob_worker.hub import Hub
 from ddpjob_worker.keys import RunKeys
 from ddpjob_worker.liveness import Health
@@ -98,6 +100,11 @@ class HubRendezvousHandler(RendezvousHandler):
     def get_run_id(self) -> str:
         return self._params.run_id
 
+    @property
+    def gen(self) -> int:
+        """The generation of the store this handler reached (its hub's word)."""
+        return self._member.view.gen
+
     def next_rendezvous(self) -> RendezvousInfo:
         previous = self._member.view.round
         self._member.join()
@@ -106,9 +113,16 @@ class HubRendezvousHandler(RendezvousHandler):
         while True:
             signals.check()
             view = self._member.wait(
-                lambda v: v.round is not previous or v.hub_lost is not None or v.closed,
+                lambda v: (
+                    v.round is not previous or v.hub_lost is not None or v.closed or v.replaced
+                ),
                 WAIT_POLL_SECONDS * 10,
             )
+            if view.replaced:
+                raise ReplacedError(
+                    "a pod of this index replaced this one in the job (it was cut off, and its "
+                    "pod object deleted): stopping"
+                )
             if view.closed:
                 raise RendezvousClosedError
             if view.round is not previous and view.round is not None:
@@ -214,6 +228,12 @@ class HubRendezvousHandler(RendezvousHandler):
 
     def skip_join_jitter(self) -> None:
         """No jitter to skip: a join is one message."""
+
+
+class ReplacedError(AgentError):
+    """Our pod was replaced (a pod of our index is in the job): we must not train."""
+
+    exit_code = EXIT_STOPPED_BY_SIGNAL
 
 
 def _as_repr(node: NodeIdent) -> NodeRepr:
@@ -334,6 +354,9 @@ class HubBackend:
             member.connect(hub)
         except (TimeoutError, OSError) as exc:
             raise RendezvousConnectionError(f"the hub at {hub}: {exc}") from exc
+        if member.wait(lambda v: v.gen > 0, HOSTED_WAIT_SECONDS).gen == 0:
+            member.disconnect()
+            raise RendezvousConnectionError(f"the hub at {hub} did not answer")
         return HubRendezvousHandler(
             params, store=store, member=member, keys=keys, address=self._address(params)
         )

@@ -6,6 +6,8 @@ or waiting for it to resolve and answer, and the state file from the first momen
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import random
@@ -30,10 +32,10 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from ddpjob_worker import liveness, signals, warm
 from ddpjob_worker.agent import DdpjobAgent
-from ddpjob_worker.endpoint import wait_for_endpoint
+from ddpjob_worker.endpoint import try_connect, wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
 from ddpjob_worker.failover import first_store
-from ddpjob_worker.hubrdzv import HubBackend
+from ddpjob_worker.hubrdzv import HubBackend, HubRendezvousHandler
 from ddpjob_worker.keys import HOSTED
 from ddpjob_worker.policy import (
     HOST_LINGER_SECONDS,
@@ -91,22 +93,8 @@ def launch(
         **rdzv_configs,
     )
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    incarnation = seed_incarnation()
-    listener = None
-    if config.rdzv_backend == "c10d":
-        listener = liveness.listen(config.local_addr or socket.getfqdn(), settings.directory_port)
-    gen, hosting = 1, bool(settings.is_host)
-    backend: HubBackend | None = None
-    if settings.failover and config.rdzv_backend == "c10d" and params.endpoint:
-        # In a DDPJob pod: the store's host decides the rounds (ddpjob_worker.hub).
-        backend = HubBackend(
-            seal=Seal.from_env(),
-            incarnation=incarnation,
-            liveness_address=None if listener is None else listener.address,
-            index=settings.pod_index,
-        )
-        params, gen, hosting = _find_store(params, settings)
-    handler = _first_handler(params, settings, state, hosting=hosting, backend=backend, gen=gen)
+    start = _start(params, settings, state, local_addr=config.local_addr)
+    handler, params = start.handler, start.params
     signals.check()
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
@@ -136,10 +124,10 @@ def launch(
         state=state,
         heartbeat_seconds=heartbeat_seconds,
         early_spares=early_spares,
-        gen=gen,
-        hosting=hosting,
-        listener=listener,
-        backend=backend,
+        gen=start.gen,
+        hosting=start.hosting,
+        listener=start.listener,
+        backend=start.backend,
     )
     shutdown_rdzv = True
     succeeded = False
@@ -179,6 +167,57 @@ def launch(
                 )
                 time.sleep(HOST_LINGER_SECONDS)
         retire(spec.rdzv_handler)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """How the agent starts: its first handler, the store's parameters and generation, whether
+    it hosts the store, its liveness socket, and the hub backend (store failover on)."""
+
+    handler: RendezvousHandler
+    params: RendezvousParameters
+    gen: int
+    hosting: bool
+    listener: liveness.Listener | None
+    backend: HubBackend | None
+
+
+def _start(
+    params: RendezvousParameters,
+    settings: Settings,
+    state: StateWriter,
+    *,
+    local_addr: str | None,
+) -> _Start:
+    """The first handler: in a DDPJob pod (store failover on), the hub of the store the job's
+    pods name, or of pod 0's endpoint (ddpjob_worker.hub); elsewhere torch's own."""
+    incarnation = seed_incarnation()
+    listener = None
+    if params.backend == "c10d":
+        listener = liveness.listen(local_addr or socket.getfqdn(), settings.directory_port)
+    if not (settings.failover and params.backend == "c10d" and params.endpoint):
+        hosting = bool(settings.is_host)
+        handler = _first_handler(params, settings, state, hosting=hosting)
+        return _Start(handler, params, 1, hosting, listener, None)
+    backend = HubBackend(
+        seal=Seal.from_env(),
+        incarnation=incarnation,
+        liveness_address=None if listener is None else listener.address,
+        index=settings.pod_index,
+    )
+    params, gen, hosting = _find_store(params, settings)
+    if hosting:
+        make = functools.partial(backend.host, params, gen=gen)
+        return _Start(
+            _host_store(make, params.endpoint, settings, state),
+            params,
+            gen,
+            True,
+            listener,
+            backend,
+        )
+    hub, params, gen = _join_hub(params, settings, state, backend)
+    return _Start(hub, params, gen, False, listener, backend)
 
 
 def _find_store(
@@ -296,23 +335,65 @@ def _host_store(
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
 
 
-def _first_handler(
-    params: RendezvousParameters,
-    settings: Settings,
-    state: StateWriter,
-    *,
-    hosting: bool,
-    backend: HubBackend | None,
-    gen: int,
-) -> RendezvousHandler:
-    """Wait for the endpoint (unless we host it), then create the rendezvous handler: a hub's
-    (``backend``, store failover on) or torch's own."""
-    if backend is not None:
-        if hosting:
-            return _host_store(
-                lambda: backend.host(params, gen=gen), params.endpoint, settings, state
+def _join_hub(
+    params: RendezvousParameters, settings: Settings, state: StateWriter, backend: HubBackend
+) -> tuple[HubRendezvousHandler, RendezvousParameters, int]:
+    """Reach the job's store and its hub before the join timeout: the one the job's pods name,
+    else the configured endpoint (pod 0's). Between tries the pods are asked again: a newcomer
+    that arrives while the others fail over (a scale-up, a replacement) finds the store they
+    move to, instead of waiting for pod 0's endpoint, whose pod is gone. ``(handler, params,
+    generation)``."""
+    deadline = time.monotonic() + settings.join_timeout
+    state.update(phase=Phase.WAITING)
+    target = params
+    while True:
+        signals.check()
+        host, port = split_endpoint(target.endpoint)
+        if try_connect(host, port, JOIN_TRY_SECONDS) is None:
+            try:
+                handler = backend.client(target)
+            except RendezvousConnectionError as exc:
+                logger.info("the store at %s does not answer yet: %s", target.endpoint, exc)
+            else:
+                if handler is not None:
+                    return handler, target, handler.gen
+                logger.warning(
+                    "the store at %s is not this job's (no sealed %r key): looking again",
+                    target.endpoint,
+                    HOSTED,
+                )
+        if time.monotonic() >= deadline:
+            raise EndpointUnreachableError(
+                f"no store of this job answered within the join timeout "
+                f"({settings.join_timeout:g}s), at {params.endpoint} or where its pods said"
             )
-        return _reach_store(params, settings, state, lambda: backend.client(params))
+        time.sleep(JOIN_RETRY_SECONDS)
+        start = first_store(
+            _ask_peers(settings.peers),
+            run_id=params.run_id,
+            endpoint=params.endpoint,
+            hosting=False,
+            final=True,
+        )
+        named = start is not None and start.named
+        if named and start is not None and start.endpoint != target.endpoint:
+            logger.info(
+                "the job's pods name generation %d of its store at %s: joining it",
+                start.gen,
+                start.endpoint,
+            )
+        target = store_params(params, start.endpoint, is_host=False) if named and start else params
+
+
+JOIN_TRY_SECONDS = 1.0
+"""How long one try to reach a store's port may take, before the job's pods are asked again."""
+JOIN_RETRY_SECONDS = 0.5
+
+
+def _first_handler(
+    params: RendezvousParameters, settings: Settings, state: StateWriter, *, hosting: bool
+) -> RendezvousHandler:
+    """Wait for the endpoint (unless we host it), then create torch's rendezvous handler."""
     if params.backend == "c10d" and hosting and params.endpoint:
         return _host_store(
             lambda: rdzv_registry.get_rendezvous_handler(params), params.endpoint, settings, state

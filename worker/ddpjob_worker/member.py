@@ -66,6 +66,8 @@ class MemberView:
     """Newcomers waiting to join (the hub's last word)."""
     hub_lost: Health | None = None
     closed: bool = False
+    replaced: bool = False
+    """A pod of our index took our place (we were cut off, and the operator replaced us)."""
 
 
 class Member:
@@ -311,6 +313,9 @@ class Member:
             task.add_done_callback(self._probes.discard)
         elif kind == "closed":
             self._set(closed=True)
+        elif kind == "replaced":
+            logger.warning("a pod of our index replaced us in the job: not training beside it")
+            self._set(replaced=True)
 
 
 def _host(raw: Any) -> tuple[NodeIdent, str | None] | None:
