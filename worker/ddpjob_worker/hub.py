@@ -74,8 +74,6 @@ class _Session:
     liveness: str | None
     writer: asyncio.StreamWriter
     heard: float
-    joined: int | None = None
-    """The round it asked to join."""
     left: bool = False
     closed: bool = False
     """Its connection closed."""
@@ -145,6 +143,12 @@ class Hub:
         self._call_at: float | None = None
         """When the last call ends (set once ``min_nodes`` have joined)."""
         self._participants: dict[NodeIdent, int] = {}
+        self._joined: dict[NodeIdent, _Session] = {}
+        """The members that asked to be in the round being formed."""
+        self._missing: set[NodeIdent] = set(self._expected or ())
+        """The expected members not in it yet."""
+        self._ack_line: bytes | None = None
+        self._ack_round = -1
         self._suspects: dict[NodeIdent, _Suspicion] = {}
         self._req = 0
         self._probes: dict[int, NodeIdent] = {}
@@ -156,8 +160,10 @@ class Hub:
         """Members whose pod a newcomer with their index replaced."""
         self._server: asyncio.AbstractServer | None = None
         self._task: asyncio.Task[None] | None = None
-        self.view = self._snapshot()
         self.address: str | None = None
+        self.sent = 0
+        self.received = 0
+        """Messages, for the benchmark."""
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -189,6 +195,7 @@ class Hub:
                 message = self._wire.decode(line)
                 if message is None:
                     continue
+                self.received += 1
                 if session is None:
                     if message["t"] != "hello":
                         continue
@@ -207,6 +214,7 @@ class Hub:
             return
         with contextlib.suppress(ConnectionError, RuntimeError):
             session.writer.write(self._wire.encode(message))
+            self.sent += 1
 
     def _broadcast(self, message: Message, idents: Iterable[NodeIdent]) -> None:
         for ident in idents:
@@ -235,7 +243,6 @@ class Hub:
         self._send(session, {"t": "welcome", "gen": self.gen, "round": self._round})
         if ident in self._replaced:
             self._send(session, {"t": "replaced", "gen": self.gen})
-        self._update()
         return session
 
     def _handle(self, session: _Session, message: Message) -> None:
@@ -245,16 +252,7 @@ class Hub:
         if suspicion is not None and not suspicion.loud:
             del self._suspects[session.ident]  # it speaks: not lost
         if kind == "hb":
-            self._send(
-                session,
-                {
-                    "t": "ack",
-                    "seq": message.get("seq"),
-                    "gen": self.gen,
-                    "round": self._round,
-                    "waiting": self._waiting(),
-                },
-            )
+            self._ack(session)
         elif kind == "join":
             self._join(session)
         elif kind == "end":
@@ -277,15 +275,13 @@ class Hub:
             # Its pod was replaced (a pod of its index is in the round): it must not train.
             self._send(session, {"t": "replaced", "gen": self.gen})
             return
-        if not self._forming and session.ident in self._participants:
-            # A member of the running round that asks again: its workers stopped on their own.
-            self._end(frozenset({"failure"}), cut=())
-        target = self._round
-        session.joined = target
-        if not self._forming and session.ident not in self._participants:
-            # A newcomer: the running round ends for it (torch's "nodes waiting").
-            self._end(frozenset({"join"}), cut=())
-            session.joined = self._round
+        if not self._forming:
+            # A member of the running round that asks again (its workers stopped on their
+            # own), or a newcomer (torch's "nodes waiting"): the running round is over.
+            newcomer = session.ident not in self._participants
+            self._end(frozenset({"join" if newcomer else "failure"}), cut=())
+        self._joined[session.ident] = session
+        self._missing.discard(session.ident)
         self._maybe_complete()
 
     def _leave(self, session: _Session, *, handover: bool) -> None:
@@ -301,16 +297,14 @@ class Hub:
         if not self._forming and session.ident in self._participants:
             self._end(frozenset({"leave"}), cut=(session.ident,))
         else:
-            session.joined = None
-            if self._expected is not None:
-                self._expected = self._expected - {session.ident}
+            self._drop_from_forming({session.ident})
             self._maybe_complete()
 
     def _closed_session(self, session: _Session) -> None:
         session.closed = True
+        self._joined.pop(session.ident, None)  # it joins again once reconnected
         if session.left:
             del self._sessions[session.ident]
-            self._update()
             return
         # Its connection closed: ask its liveness socket whether its agent is gone.
         now = self._clock()
@@ -339,26 +333,31 @@ class Hub:
 
     # -- rounds ----------------------------------------------------------------------------------
 
-    def _waiting(self) -> int:
-        if self._forming:
-            return 0
-        return sum(
-            1
-            for session in self._sessions.values()
-            if session.joined is not None and session.ident not in self._participants
-        )
+    def _ack(self, session: _Session) -> None:
+        """Answer a heartbeat: our generation and round (the same bytes for every member until
+        the round changes, sealed once)."""
+        if self._ack_line is None or self._ack_round != self._round:
+            self._ack_line = self._wire.encode({"t": "ack", "gen": self.gen, "round": self._round})
+            self._ack_round = self._round
+        if not session.closed:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                session.writer.write(self._ack_line)
+                self.sent += 1
+
+    def _drop_from_forming(self, idents: set[NodeIdent]) -> None:
+        """Members that will not be in the round being formed (cut, or left)."""
+        for ident in idents:
+            self._joined.pop(ident, None)
+            self._missing.discard(ident)
+        if self._expected is not None:
+            self._expected = self._expected - idents
 
     def _end(self, reasons: frozenset[str], cut: Iterable[NodeIdent]) -> None:
         """The running round is over: tell its members, and form the next one, waiting for
         its survivors."""
         cut = set(cut)
         if self._forming:
-            if cut and self._expected is not None:
-                self._expected = self._expected - cut
-            for ident in cut:
-                session = self._sessions.get(ident)
-                if session is not None:
-                    session.joined = None
+            self._drop_from_forming(cut)
             self._maybe_complete()
             return
         over = {
@@ -369,18 +368,12 @@ class Hub:
             "cut": sorted(cut),
         }
         self._broadcast(over, [ident for ident in self._participants if ident not in cut])
-        survivors = frozenset(self._participants) - cut
         self._round += 1
         self._forming = True
         self._call_at = None
-        self._expected = survivors | {
-            s.ident for s in self._sessions.values() if s.joined is not None
-        }
-        self._expected = self._expected - cut
-        for ident in cut:
-            session = self._sessions.get(ident)
-            if session is not None:
-                session.joined = None
+        self._expected = frozenset(self._participants) - cut
+        self._missing = set(self._expected)
+        self._joined = {}
         logger.info(
             "round %d.%d is over (%s%s): forming round %d",
             self.gen,
@@ -389,22 +382,21 @@ class Hub:
             f"; without {len(cut)}" if cut else "",
             self._round,
         )
-        self._update()
 
     def _maybe_complete(self) -> None:
         if not self._forming or self._closed:
             return
-        joined = [s for s in self._sessions.values() if s.joined == self._round and not s.closed]
-        count = len(joined)
+        count = len(self._joined)
         now = self._clock()
         if count >= self._min and self._call_at is None:
             self._call_at = now + self._last_call
         if count < self._min:
             return
-        idents = {s.ident for s in joined}
-        full = count >= self._max or (self._expected is not None and self._expected <= idents)
+        full = count >= self._max or (self._expected is not None and not self._missing)
         if not full and (self._call_at is None or now < self._call_at):
             return
+        joined = list(self._joined.values())
+        idents = set(self._joined)
         indexes = {s.ident: s.index for s in joined}
         if self._base and not has_quorum(idents, self._base, self._gone, indexes):
             # Fenced: a majority of the last round is not here (maybe the other side of a
@@ -457,9 +449,10 @@ class Hub:
         self._base, self._base_id, self._gone = base, base_id, set()
         self._forming = False
         self._expected = None
+        self._missing = set()
+        self._joined = {}
         self._call_at = None
         logger.info("round %s formed with %d members", base_id, world)
-        self._update()
 
     # -- liveness -------------------------------------------------------------------------------
 
@@ -577,11 +570,12 @@ class Hub:
             self._end(frozenset({"failure"}), cut=in_round)
         else:
             self._end(frozenset(), cut=set(lost))
-        self._update()
 
     # -- the view ---------------------------------------------------------------------------------
 
-    def _snapshot(self) -> HubView:
+    @property
+    def view(self) -> HubView:
+        """What the hub holds now (built on demand: the tests and the benchmark read it)."""
         return HubView(
             gen=self.gen,
             round=self._round,
@@ -590,6 +584,3 @@ class Hub:
             connected=frozenset(s.ident for s in self._sessions.values() if not s.closed),
             cuts=self._cuts,
         )
-
-    def _update(self) -> None:
-        self.view = self._snapshot()

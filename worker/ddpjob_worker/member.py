@@ -97,6 +97,7 @@ class Member:
         self._hub: str | None = None
         self._acked = clock()
         self._seq = 0
+        self._joining = False
         self.sent = 0
         self.received = 0
 
@@ -107,7 +108,8 @@ class Member:
         submit(self._connect(hub)).result(timeout + 1)
 
     def join(self) -> None:
-        """Ask to be in the hub's next round."""
+        """Ask to be in the hub's next round (again after a reconnection, until one comes)."""
+        self._joining = True
         self._post({"t": "join"})
 
     def end(self, reason: str) -> None:
@@ -161,6 +163,8 @@ class Member:
         await self._write(
             {"t": "hello", "ident": self.ident, "index": self._index, "liveness": self._liveness}
         )
+        if self._joining:
+            await self._write({"t": "join"})  # the hub forgot we asked when our link closed
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._read(reader, writer)),
@@ -267,7 +271,7 @@ class Member:
             if kind == "ack" and moved and not self.view.ends:
                 # The hub moved on without telling us (we missed its word): re-form.
                 self._set(ends=frozenset({"dropped"}))
-            self._set(gen=int(message.get("gen", 0)), waiting=int(message.get("waiting") or 0))
+            self._set(gen=int(message.get("gen", 0)))
         elif kind == "round":
             self._acked = now
             base = message.get("base")
@@ -288,6 +292,7 @@ class Member:
                 ),
                 host=_host(message.get("host")),
             )
+            self._joining = False
             self._set(round=info, ends=frozenset(), cut=frozenset(), waiting=0, gen=info.gen)
         elif kind == "over":
             self._acked = now
