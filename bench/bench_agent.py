@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import random
 import signal
@@ -495,6 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="the --stalls random seed")
     parser.add_argument(
+        "--launcher",
+        action="append",
+        choices=LAUNCHERS,
+        help="only this launcher (repeatable; default: both). For a before/after comparison "
+        "run the previous version's agent alone (its worker package first on PYTHONPATH) "
+        "beside this one's full table: torchrun does not change",
+    )
+    parser.add_argument(
         "--cap",
         type=float,
         default=CAP_SECONDS,
@@ -511,12 +520,16 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
                 restarts = soak(args_.soak, Path(root), stalls=args_.stalls, seed=args_.seed)
                 return 1 if restarts else 0
-        results = run_all(args_.scenario or list(SCENARIOS), args_.runs)
+        launchers = tuple(args_.launcher or LAUNCHERS)
+        results = run_all(args_.scenario or list(SCENARIOS), args_.runs, launchers)
     finally:
         for proc in load:
             proc.kill()
             proc.wait()
     print_table(results, args_.scenario or list(SCENARIOS), args_.runs, loaded=args_.loaded)
+    print(
+        json.dumps({f"{name} / {launcher}": values for (name, launcher), values in results.items()})
+    )
     return 0
 
 
@@ -526,16 +539,18 @@ def start_load() -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen(busy) for _ in range(os.cpu_count() or 1)]
 
 
-def run_all(names: list[str], runs: int) -> dict[tuple[str, str], list[Outcome]]:
+def run_all(
+    names: list[str], runs: int, launchers: tuple[str, ...] = LAUNCHERS
+) -> dict[tuple[str, str], list[Outcome]]:
     results: dict[tuple[str, str], list[Outcome]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
         for name in names:
-            for launcher in LAUNCHERS:
+            for launcher in launchers:
                 results[(name, launcher)] = []
             # Interleave the launchers, alternating who goes first, so that drift on a busy
             # 2-core machine (page cache, other load) does not favour one of them.
             for i in range(runs):
-                order = LAUNCHERS if i % 2 == 0 else LAUNCHERS[::-1]
+                order = launchers if i % 2 == 0 else launchers[::-1]
                 for launcher in order:
                     value = run_once(name, launcher == "torchrun", Path(root))
                     shown = value if isinstance(value, str) else f"{value:.2f}"
@@ -555,7 +570,8 @@ def print_table(
     print("|---|---|---|---|")
     for name in names:
         unit = SCENARIOS[name][2]
-        theirs, ours = results[(name, "torchrun")], results[(name, "ddpjob-agent")]
+        theirs = results.get((name, "torchrun"), [])
+        ours = results.get((name, "ddpjob-agent"), [])
         ok_theirs = [v for v in theirs if isinstance(v, float)]
         ok_ours = [v for v in ours if isinstance(v, float)]
         ratio = (

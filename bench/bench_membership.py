@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -47,170 +45,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.hollow
-from tests.hollow import AgentSpec, Spec  # noqa: E402
+from tests.hollow import NODE_SIZE, Job  # noqa: E402
 
-PORT = 29400
-NODE_SIZE = 64
 CAP_SECONDS = 120.0
 SETTLE_SECONDS = 3.0
 SCENARIOS = ("first", "loud", "silent", "host-loud", "host-silent", "node", "stalls")
-
-
-def address(index: int) -> str:
-    return f"127.2.{index // 200}.{index % 200 + 10}"
-
-
-@dataclasses.dataclass
-class Proc:
-    agents: list[int]
-    popen: subprocess.Popen[str]
-    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    frozen: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-
-class Job:
-    """One job of hollow agents: its processes and every event they reported."""
-
-    def __init__(
-        self,
-        mode: str,
-        agents: int,
-        *,
-        per_process: int,
-        singles: list[int],
-        node: list[int],
-        log_dir: Path,
-    ) -> None:
-        self.mode = mode
-        self.n = agents
-        self.lock = threading.Lock()
-        self.rounds: dict[int, list[tuple[float, str, int]]] = {i: [] for i in range(agents)}
-        self.lags: list[float] = []
-        self.exits: dict[int, str | None] = {}
-        self.started_at: dict[int, float] = {}
-        groups = [[0], *[[i] for i in singles]]
-        if node:
-            groups.append(node)
-        placed = {i for group in groups for i in group}
-        rest = [i for i in range(agents) if i not in placed]
-        groups += [rest[k : k + per_process] for k in range(0, len(rest), per_process)]
-        spec = Spec(
-            mode=mode,
-            run_id=uuid.uuid4().hex,
-            key=uuid.uuid4().hex,
-            endpoint=f"{address(0)}:{PORT}",
-            min_nodes=max(1, agents - NODE_SIZE - 8)
-            if agents > NODE_SIZE + 8
-            else max(1, agents // 2),
-            max_nodes=agents,
-            agents=(),
-            peers=tuple(f"{address(i)}:{PORT + 1}" for i in range(agents))
-            if mode == "ddpjob"
-            else (),
-        )
-        self.procs: list[Proc] = []
-        self.netns = f"ddpj-hollow-{uuid.uuid4().hex[:8]}" if os.geteuid() == 0 else None
-        if self.netns is not None:
-            # A network of their own: the counters below are theirs alone, whatever else runs.
-            subprocess.run(["ip", "netns", "add", self.netns], check=True)
-            subprocess.run(["ip", "-n", self.netns, "link", "set", "lo", "up"], check=True)
-        wrap = ["ip", "netns", "exec", self.netns] if self.netns is not None else []
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                [
-                    str(REPO / "operator"),
-                    str(REPO / "worker"),
-                    str(REPO),
-                    os.environ.get("PYTHONPATH", ""),
-                ]
-            ),
-        }
-        self.started = time.time()
-        for k, group in enumerate(groups):
-            part = dataclasses.replace(spec, agents=tuple(AgentSpec(i, address(i)) for i in group))
-            log = (log_dir / f"proc-{k}.log").open("w")
-            popen = subprocess.Popen(
-                [*wrap, sys.executable, "-m", "tests.hollow"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                cwd=REPO,
-                env=env,
-                start_new_session=True,
-            )
-            assert popen.stdin is not None
-            popen.stdin.write(part.to_json() + "\n")
-            popen.stdin.flush()
-            proc = Proc(group, popen)
-            self.procs.append(proc)
-            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
-        self.host = self.procs[0]
-
-    def _read(self, proc: Proc) -> None:
-        assert proc.popen.stdout is not None
-        for line in proc.popen.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            with self.lock:
-                if event.get("ev") == "round":
-                    self.rounds[event["i"]].append((event["t"], event["round"], event["world"]))
-                elif event.get("ev") == "exit":
-                    self.exits[event["i"]] = event.get("error")
-                elif event.get("ev") == "started":
-                    self.started_at[proc.pid] = event["t"]
-
-    def proc_of(self, index: int) -> Proc:
-        return next(proc for proc in self.procs if index in proc.agents)
-
-    def converged(self, members: list[int], world: int, since: float) -> tuple[float, str] | None:
-        """When every one of ``members`` last reported the same round of ``world`` after
-        ``since`` (the latest of their reports), or None."""
-        with self.lock:
-            last = [self.rounds[i][-1] if self.rounds[i] else None for i in members]
-        if any(entry is None or entry[0] < since or entry[2] != world for entry in last):
-            return None
-        ids = {entry[1] for entry in last if entry is not None}
-        if len(ids) != 1:
-            return None
-        return max(entry[0] for entry in last if entry is not None), ids.pop()
-
-    def wait(
-        self, members: list[int], world: int, since: float, cap: float
-    ) -> tuple[float, str] | None:
-        deadline = time.monotonic() + cap
-        while time.monotonic() < deadline:
-            found = self.converged(members, world, since)
-            if found is not None:
-                return found
-            time.sleep(0.05)
-        return None
-
-    def rounds_after(self, members: list[int], since: float) -> set[str]:
-        with self.lock:
-            return {rid for i in members for (t, rid, _) in self.rounds[i] if t >= since}
-
-    def signal(self, proc: Proc, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        proc.frozen = sig is signal.SIGSTOP
-
-    def close(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(10)
-        if self.netns is not None:
-            subprocess.run(["ip", "netns", "del", self.netns], check=False)
 
 
 # -- steady-state figures ---------------------------------------------------------------------
@@ -309,7 +148,13 @@ def run_once(
     log_dir = root / f"{mode}-{scenario}-{agents}-{time.monotonic_ns()}"
     log_dir.mkdir(parents=True)
     job = Job(
-        mode, agents, per_process=args.per_process, singles=singles, node=node, log_dir=log_dir
+        "torch" if mode == "torch" else "ddpjob",
+        agents,
+        per_process=args.per_process,
+        singles=singles,
+        node=node,
+        log_dir=log_dir,
+        code=args.baseline if mode == "baseline" else None,
     )
     result: dict[str, Any] = {"mode": mode, "scenario": scenario, "agents": agents}
     try:
@@ -387,7 +232,14 @@ def summary(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--agents", type=int, action="append", required=True)
-    parser.add_argument("--mode", action="append", choices=("ddpjob", "torch"))
+    parser.add_argument(
+        "--mode",
+        action="append",
+        choices=("ddpjob", "torch", "baseline"),
+        help="ddpjob: this checkout's agent; torch: stock torch; baseline: the agent of the "
+        "checkout --baseline names (say, the previous version); default: ddpjob and torch",
+    )
+    parser.add_argument("--baseline", type=Path, help="a checkout for --mode baseline")
     parser.add_argument("--scenario", action="append", choices=SCENARIOS)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--per-process", type=int, default=NODE_SIZE)
@@ -425,12 +277,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+COLUMNS = (
+    ("first round s", "first_round_s"),
+    ("recovery s", "recovery_s"),
+    ("round changes", "round_changes"),
+    ("segments/agent/s", "segments_per_agent_s"),
+    ("connects/agent/min", "connects_per_agent_min"),
+    ("host CPU", "host_cpu_cores"),
+    ("agents CPU", "agents_cpu_cores"),
+    ("box busy", "box_cpu_busy"),
+    ("lag p99 ms", "driver_lag_p99_ms"),
+)
+"""The table's columns: a heading, and the result's key (median [worst])."""
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     keys = sorted({(r["agents"], r["scenario"], r["mode"]) for r in results})
-    print(
-        "\n| N | scenario | mode | ok/runs | first round s | recovery s | round changes | segments/agent/s | connects/agent/min | host CPU | agents CPU | box busy | lag p99 ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | scenario | mode | ok/runs | " + " | ".join(h for h, _ in COLUMNS) + " |")
+    print("|---" * (4 + len(COLUMNS)) + "|")
     for agents, scenario, mode in keys:
         rows = [
             r
@@ -438,15 +302,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
             if (r["agents"], r["scenario"], r["mode"]) == (agents, scenario, mode)
         ]
         ok = [r for r in rows if r.get("outcome") == "ok"]
-
-        def col(name: str) -> str:
-            return summary([r[name] for r in ok if name in r])
-
+        cells = [summary([r[key] for r in ok if key in r]) for _, key in COLUMNS]
         print(
-            f"| {agents} | {scenario} | {mode} | {len(ok)}/{len(rows)} | {col('first_round_s')} | "
-            f"{col('recovery_s')} | {col('round_changes')} | {col('segments_per_agent_s')} | "
-            f"{col('connects_per_agent_min')} | {col('host_cpu_cores')} | {col('agents_cpu_cores')} | "
-            f"{col('box_cpu_busy')} | {col('driver_lag_p99_ms')} |"
+            f"| {agents} | {scenario} | {mode} | {len(ok)}/{len(rows)} | "
+            + " | ".join(cells)
+            + " |"
         )
 
 

@@ -25,12 +25,16 @@ import json
 import logging
 import os
 import selectors
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from ddpjob_worker.contract import AgentContract, agent_env
@@ -297,6 +301,181 @@ class HollowWorkers:
         )
 
 
+# -- a job of hollow processes (the driver's side) -----------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+PORT = 29400
+NODE_SIZE = 64
+"""A node's agents: one process."""
+
+
+def address(index: int) -> str:
+    return f"127.2.{index // 200}.{index % 200 + 10}"
+
+
+@dataclasses.dataclass
+class Proc:
+    agents: list[int]
+    popen: subprocess.Popen[str]
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    frozen: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+class Job:
+    """One job of hollow agents: its processes and every event they reported."""
+
+    def __init__(
+        self,
+        mode: str,
+        agents: int,
+        *,
+        per_process: int,
+        singles: list[int],
+        node: list[int],
+        log_dir: Path,
+        code: Path | None = None,
+    ) -> None:
+        """``mode``: ``ddpjob`` or ``torch``; agent 0 (the store's host) and each of
+        ``singles`` get a process of their own, ``node`` one together, the rest
+        ``per_process`` to a process; ``code``: a checkout whose agent runs (default: this
+        one)."""
+        self.mode = mode
+        self.n = agents
+        self.log_dir = log_dir
+        self.lock = threading.Lock()
+        self.rounds: dict[int, list[tuple[float, str, int]]] = {i: [] for i in range(agents)}
+        self.lags: list[float] = []
+        self.exits: dict[int, str | None] = {}
+        self.started_at: dict[int, float] = {}
+        groups = [[0], *[[i] for i in singles]]
+        if node:
+            groups.append(node)
+        placed = {i for group in groups for i in group}
+        rest = [i for i in range(agents) if i not in placed]
+        groups += [rest[k : k + per_process] for k in range(0, len(rest), per_process)]
+        spec = Spec(
+            mode=mode,
+            run_id=uuid.uuid4().hex,
+            key=uuid.uuid4().hex,
+            endpoint=f"{address(0)}:{PORT}",
+            min_nodes=max(1, agents - NODE_SIZE - 8)
+            if agents > NODE_SIZE + 8
+            else max(1, agents // 2),
+            max_nodes=agents,
+            agents=(),
+            peers=tuple(f"{address(i)}:{PORT + 1}" for i in range(agents))
+            if mode == "ddpjob"
+            else (),
+        )
+        self.procs: list[Proc] = []
+        self.netns = f"ddpj-hollow-{uuid.uuid4().hex[:8]}" if os.geteuid() == 0 else None
+        if self.netns is not None:
+            # A network of their own: the counters below are theirs alone, whatever else runs.
+            subprocess.run(["ip", "netns", "add", self.netns], check=True)
+            subprocess.run(["ip", "-n", self.netns, "link", "set", "lo", "up"], check=True)
+        wrap = ["ip", "netns", "exec", self.netns] if self.netns is not None else []
+        code = code or REPO
+        paths = [str(code / "operator"), str(code / "worker"), str(REPO)]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]),
+        }
+        self.started = time.time()
+        for k, group in enumerate(groups):
+            part = dataclasses.replace(spec, agents=tuple(AgentSpec(i, address(i)) for i in group))
+            log = (log_dir / f"proc-{k}.log").open("w")
+            popen = subprocess.Popen(
+                [*wrap, sys.executable, "-m", "tests.hollow"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=REPO,
+                env=env,
+                start_new_session=True,
+            )
+            assert popen.stdin is not None
+            popen.stdin.write(part.to_json() + "\n")
+            popen.stdin.flush()
+            proc = Proc(group, popen)
+            self.procs.append(proc)
+            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        self.host = self.procs[0]
+
+    def _read(self, proc: Proc) -> None:
+        assert proc.popen.stdout is not None
+        for line in proc.popen.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            with self.lock:
+                if event.get("ev") == "round":
+                    self.rounds[event["i"]].append((event["t"], event["round"], event["world"]))
+                elif event.get("ev") == "exit":
+                    self.exits[event["i"]] = event.get("error")
+                elif event.get("ev") == "started":
+                    self.started_at[proc.pid] = event["t"]
+
+    def logs(self) -> str:
+        """The tails of every process's log (for a failing test)."""
+        parts = []
+        for k, _ in enumerate(self.procs):
+            path = self.log_dir / f"proc-{k}.log"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            parts.append(f"--- hollow process {k} ---\n{text[-3000:]}")
+        return "\n".join(parts)
+
+    def proc_of(self, index: int) -> Proc:
+        return next(proc for proc in self.procs if index in proc.agents)
+
+    def converged(self, members: list[int], world: int, since: float) -> tuple[float, str] | None:
+        """When every one of ``members`` last reported the same round of ``world`` after
+        ``since`` (the latest of their reports), or None."""
+        with self.lock:
+            last = [self.rounds[i][-1] if self.rounds[i] else None for i in members]
+        if any(entry is None or entry[0] < since or entry[2] != world for entry in last):
+            return None
+        ids = {entry[1] for entry in last if entry is not None}
+        if len(ids) != 1:
+            return None
+        return max(entry[0] for entry in last if entry is not None), ids.pop()
+
+    def wait(
+        self, members: list[int], world: int, since: float, cap: float
+    ) -> tuple[float, str] | None:
+        deadline = time.monotonic() + cap
+        while time.monotonic() < deadline:
+            found = self.converged(members, world, since)
+            if found is not None:
+                return found
+            time.sleep(0.05)
+        return None
+
+    def rounds_after(self, members: list[int], since: float) -> set[str]:
+        with self.lock:
+            return {rid for i in members for (t, rid, _) in self.rounds[i] if t >= since}
+
+    def signal(self, proc: Proc, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        proc.frozen = sig is signal.SIGSTOP
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(10)
+        if self.netns is not None:
+            subprocess.run(["ip", "netns", "del", self.netns], check=False)
+
+
 # -- one agent ----------------------------------------------------------------------------------
 
 
@@ -361,7 +540,7 @@ def run_torch_agent(spec: Spec, agent: AgentSpec) -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: PLC0415
         LocalElasticAgent,
     )
-    from torch.distributed.elastic.rendezvous import (
+    from torch.distributed.elastic.rendezvous import (  # noqa: PLC0415
         RendezvousParameters,
         registry,
     )

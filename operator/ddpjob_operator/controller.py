@@ -182,6 +182,8 @@ class Controller:
         self.kube = kube
         self.metrics = metrics
         self.config = config
+        self.exiting = False
+        """The operator is exiting: a job loop that kopf starts now must not run a pass."""
         self._wakeups: dict[Key, asyncio.Event] = {}
         self._written: dict[Key, _Written] = {}
         self._phases: dict[Key, api.JobPhase] = {}

@@ -176,6 +176,11 @@ async def job_loop(
     **kwargs: Any,
 ) -> None:
     controller: Controller = memo.controller
+    if controller.exiting:
+        # kopf stops every daemon when the operator exits, but an event its workers were
+        # still handling can start one again right after (kopf guards pausing against this,
+        # not exiting): it would run a pass during the shutdown and hold it up 5 s.
+        return
     key = _key(namespace, name)
     pods: kopf.Index[tuple[str, str], PodRecord] = kwargs["ddpjob_pods"]
     services: kopf.Index[tuple[str, str], str] = kwargs["ddpjob_services"]
@@ -183,14 +188,21 @@ async def job_loop(
     def emit(kind: str, reason: str, message: str) -> None:
         kopf.event(body, type=kind, reason=reason, message=message[:1000])
 
-    await controller.run_job(
-        body,
-        stopped,
-        logger,
-        pods=lambda: list(pods.get(key, [])),
-        service=lambda: key in services,
-        emit=emit,
-    )
+    try:
+        await controller.run_job(
+            body,
+            stopped,
+            logger,
+            pods=lambda: list(pods.get(key, [])),
+            service=lambda: key in services,
+            emit=emit,
+        )
+    finally:
+        if (
+            stopped.reason is not None
+            and stopped.reason & kopf.DaemonStoppingReason.OPERATOR_EXITING
+        ):
+            controller.exiting = True
 
 
 @kopf.on.delete(*JOBS)

@@ -37,7 +37,13 @@ import requests
 
 from tests.emulator import EmulatorProcess
 from tests.kube import network
-from tests.kube.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, KubeTest, wait_for
+from tests.kube.fixtures import (
+    OPERATOR_ACCOUNT,
+    OPERATOR_NAMESPACE,
+    KubeTest,
+    OperatorRun,
+    wait_for,
+)
 
 __all__ = [
     "EmulatorEnv",
@@ -117,6 +123,10 @@ class OperatorEnv:
     backend: str = "emulator"
     prefix: tuple[str, ...] = ()
     """What the operator's command runs under (``nsenter`` into a cluster's network)."""
+    runs: list[OperatorRun] = dataclasses.field(default_factory=list)
+    """Every operator process started, stopped and checked after the test (:meth:`finish`)."""
+    expected_failures: list[str] = dataclasses.field(default_factory=list)
+    """What the test makes go wrong in the operator on purpose (:meth:`expect_failures`)."""
 
     # ---- the operator process ---------------------------------------------------------------
 
@@ -144,17 +154,37 @@ class OperatorEnv:
         log = self.log_path().open("wb")
         self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        self.started(self.process)
+        run = OperatorRun(self.process, self.log_path(), self.expected_failures)
+        self.runs.append(run)
+        self.started(run)
 
-    def started(self, process: subprocess.Popen[bytes]) -> None:
-        """A hook for backends that must clean up after the test."""
+    def started(self, run: OperatorRun) -> None:
+        """A hook for backends that stop and check the operators elsewhere."""
 
     def stop_operator(self, sig: signal.Signals = signal.SIGTERM) -> int:
         assert self.process is not None
+        for run in self.runs:
+            if run.process is self.process:
+                run.stopped_by_test = True
         self.process.send_signal(sig)
         code = self.process.wait(timeout=30)
         self.process = None
         return code
+
+    def expect_failures(self, *patterns: str) -> None:
+        """Regular expressions for what the test makes go wrong in the operator on purpose
+        (an injected API error, a refused create): the operator's log lines, or its exit, that
+        :meth:`finish` would report otherwise."""
+        self.expected_failures.extend(patterns)
+
+    def finish(self) -> list[str]:
+        """Stop every operator the test started, and say what went wrong in any of them: a
+        traceback or failure in its log, or an exit that is not clean
+        (:meth:`~tests.kube.fixtures.OperatorRun.stop`)."""
+        problems: list[str] = []
+        for run in self.runs:
+            problems += run.stop()
+        return problems
 
     def log(self, start: int | None = None) -> str:
         return self.log_path(start).read_text(errors="replace")
@@ -404,10 +434,12 @@ def operator_env(tmp_path: Path, **emulator_options: Any) -> Iterator[EmulatorEn
         env = EmulatorEnv(workdir=tmp_path, kubeconfig=kubeconfig, emulator=emulator)
         try:
             yield env
-        finally:
-            if env.process is not None and env.process.poll() is None:
-                env.process.kill()
-                env.process.wait(timeout=10)
+        except BaseException as exc:
+            for problem in env.finish():  # the test failed already: only say so
+                exc.add_note(problem)
+            raise
+        problems = env.finish()
+        assert not problems, "\n".join(problems)
 
 
 # ---- the real control plane ----------------------------------------------------------------
@@ -429,8 +461,8 @@ class RealEnv(OperatorEnv):
     def fakepod_dir(self) -> Path:
         return self.k.cluster.fakepod_dir
 
-    def started(self, process: subprocess.Popen[bytes]) -> None:
-        self.k.operators.append(process)
+    def started(self, run: OperatorRun) -> None:
+        self.k.operators.append(run)  # stopped and checked by the kube fixture
 
     def in_cluster_network(self) -> None:
         """Run the operator in the cluster's network (its hub namespace, where the pods'
@@ -518,6 +550,20 @@ class RealEnv(OperatorEnv):
         ended = wait_for(terminated, f"{name}'s trainer to exit ({order})", timeout=60)
         if "gone" not in ended:
             assert (ended.get("exitCode"), ended.get("reason")) == (exit_code, reason), ended
+            return
+        # Deleted before its status could be read here: by the operator, which read it first.
+        # A failed pod is replaced, and its exit recorded in the job's failures; a pod that
+        # succeeded is deleted only by the cleanup of a job that succeeded.
+        job = str(pod["metadata"]["labels"]["ddpjob.io/job-name"])
+        status = self.status(job, namespace)
+        failures = status.get("failures") or []
+        recorded = [(f.get("exitCode"), f.get("reason")) for f in failures if f.get("uid") == uid]
+        said = "OOMKilled" if reason == "OOMKilled" else f"ExitCode({exit_code})"
+        expected = [] if exit_code == 0 else [(exit_code, said)]
+        assert recorded == expected and (exit_code != 0 or status.get("phase") == "Succeeded"), (
+            f"{name} ({uid}) was gone before its exit ({exit_code}) could be checked, and the "
+            f"job does not say it: phase {status.get('phase')}, failures {failures}"
+        )
 
     def confirm_deletions(self, job: str, namespace: str | None = None) -> None:
         """The process kubelet does it by itself."""

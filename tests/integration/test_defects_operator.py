@@ -31,7 +31,7 @@ import pytest
 import requests
 
 from tests.emulator import EmulatorHandle, EmulatorProcess
-from tests.kube.fixtures import wait_for
+from tests.kube.fixtures import OperatorRun, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +43,16 @@ T = TypeVar("T")
 
 
 class World:
-    def __init__(self, emulator: EmulatorHandle, log: Path) -> None:
+    def __init__(self, emulator: EmulatorHandle, operator: OperatorRun) -> None:
         self.emulator = emulator
         self.control = emulator.control
-        self.log = log
+        self.operator = operator
+        self.log = operator.log
+
+    def expect_failures(self, *patterns: str) -> None:
+        """Regular expressions for what the test makes go wrong in the operator on purpose
+        (``OperatorRun.expected``)."""
+        self.operator.expected.extend(patterns)
 
     def api(self, method: str, path: str, body: Any = None, **kw: Any) -> requests.Response:
         return requests.request(method, self.emulator.url + path, json=body, timeout=10, **kw)
@@ -134,15 +140,25 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 env={**os.environ, "KUBECONFIG": str(kubeconfig)},
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
+        operator = OperatorRun(process, log)
         try:
-            yield World(emulator, log)
+            yield World(emulator, operator)
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            operator.offset, operator.expected = log.stat().st_size, []
+            problems = operator.stop()
+        if problems:
+            pytest.fail("\n".join(problems), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def operator_healthy(world: World) -> Iterator[None]:
+    """What the operator logged during each test holds no failure the test did not cause on
+    purpose (``tests.kube.fixtures.operator_log_problems``; the module's end checks its stop)."""
+    world.operator.offset, world.operator.expected = world.log.stat().st_size, []
+    yield
+    problems = world.operator.unexpected(world.operator.log_problems())
+    if problems:
+        pytest.fail("the operator, during this test:\n" + "\n".join(problems), pytrace=False)
 
 
 # ---- point 5 -------------------------------------------------------------------------------------
@@ -155,6 +171,7 @@ def _refused_until_lifted(world: World, job: str, resource: str, message: str, *
     With a fault of a few counts the operator's retries could use it up before the test looks at
     the pods (seen once in CI, under load)."""
     world.control.add_fault("POST", rf"/{resource}$", 403, count=10_000, message=message)
+    world.expect_failures(rf"reconcile failed \(403 Forbidden: cannot create \w+ default/{job}-")
     world.create_job(job, **spec)
     [event, *_] = wait_for(lambda: world.events(job, "ActionFailed"), "an ActionFailed event")
     wait_for(
@@ -293,6 +310,10 @@ def _foreign_object_holds_the_job_until_deleted(
     name = mine["metadata"]["name"]
     path = f"/api/v1/namespaces/default/{resource}"
     assert world.api("POST", path, mine).status_code == 201
+    world.expect_failures(
+        rf"reconcile failed \(409 AlreadyExists: {kind} default/{name} exists and is not "
+        rf"DDPJob default/{job}'s"
+    )
     world.create_job(job)
     [message, *_] = wait_for(lambda: world.events(job, "ActionFailed"), "an ActionFailed event")
     assert f"{kind} default/{name} exists and is not DDPJob default/{job}'s" in message

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.test_kind_operator import RESUME_RE, STEP_RE
 from tests.kube.fixtures import KubeTest
 
 from .operator_env import EmulatorEnv, RealEnv, operator_env, real_env, wait_for
@@ -264,10 +265,12 @@ def test_an_elastic_gang_trains_at_the_size_the_cluster_has_room_for(
     [left] = [p["metadata"]["name"] for p in live(env, "elastic") if not p["spec"].get("nodeName")]
     assert [(w["pod"], w["reason"]) for w in status["waiting"]] == [(left, "Unschedulable")]
 
-    # A pod of the placed gang fails: the gang stays placed (3 bound >= 2), and the freed slot
-    # goes to one pod alone (the replacement or the 5th), with no gang to wait for.
+    # A pod of the placed gang is deleted: the gang stays placed (3 bound >= 2), and the freed
+    # slot goes to one pod alone (the replacement or the 5th), with no gang to wait for.
     victim = next(m for m in members if not m.endswith("-0"))
     uid = (env.pod(victim) or {})["metadata"]["uid"]
+    survivors = [m for m in members if m != victim]
+    resumed = {p: resumes(kube, p) for p in survivors}
     assert env.delete_pod(victim) == 200
 
     def refilled() -> bool:
@@ -277,6 +280,49 @@ def test_an_elastic_gang_trains_at_the_size_the_cluster_has_room_for(
 
     wait_for(refilled, "4 pods bound again after one was deleted", timeout=90)
     assert condition(env, "elastic")["status"] == "True"
+    # The survivors kept their slots, and one pod alone took the freed one; the other waits.
+    now = bound(env, "elastic")
+    [taker] = sorted(set(now) - set(survivors))
+    assert taker in (victim, left) and set(survivors) < set(now), (now, survivors)
+    [waiting] = sorted({victim, left} - {taker})
+
+    def one_waits() -> JSON | None:
+        status = env.status("elastic")
+        said = [(w["pod"], w["reason"]) for w in status["waiting"]]
+        return status if said == [(waiting, "Unschedulable")] else None
+
+    status = wait_for(one_waits, f"{waiting} the one pod waiting", timeout=30)
+    # The deletion counted once, as Deleted and uncharged; the job runs on.
+    assert [(f["pod"], f["reason"], f["charged"]) for f in status["failures"]] == [
+        (victim, "Deleted", False)
+    ], status["failures"]
+    assert (status["phase"], status["restarts"], status.get("backoffCount", 0)) == (
+        "Running", 1, 0,
+    ), status  # fmt: skip
+    # Training went on: each survivor's workers began a new run without the deleted pod (the
+    # world changed) and stepped in it.
+    wait_for(
+        lambda: all(stepped_since(kube, p, resumed[p]) for p in survivors),
+        "the survivors stepping in a run begun after the deletion",
+        timeout=120,
+    )
+
+
+def trainer_log(kube: KubeTest, pod: str) -> str:
+    return kube.kubectl("logs", pod, "-c", "trainer", check=False).stdout
+
+
+def resumes(kube: KubeTest, pod: str) -> int:
+    """How many runs the pod's workers have begun (``DDPJOB resume`` lines)."""
+    return len(RESUME_RE.findall(trainer_log(kube, pod)))
+
+
+def stepped_since(kube: KubeTest, pod: str, runs: int) -> bool:
+    """The pod's workers began a run after their first ``runs`` and logged a step in their
+    newest one."""
+    log = trainer_log(kube, pod)
+    began = [m.end() for m in RESUME_RE.finditer(log)]
+    return len(began) > runs and STEP_RE.search(log, began[-1]) is not None
 
 
 @pytest.fixture

@@ -182,7 +182,8 @@ def test_a_preempted_pod_is_replaced_for_free(env: OperatorEnv) -> None:
 def test_the_budget_spent_fails_the_job(env: OperatorEnv) -> None:
     running_job(env, "delta", backoffLimit=1)
     old = env.pod("delta-worker-1")
-    assert old is not None
+    last = env.pod("delta-worker-0")
+    assert old is not None and last is not None
     env.finish_pod("delta-worker-1", exit_code=3)
     wait_for(lambda: counts(env, "delta") == (1, 1), "first failure")
     env.replacement(old, "delta-worker-1 replaced")
@@ -194,8 +195,19 @@ def test_the_budget_spent_fails_the_job(env: OperatorEnv) -> None:
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "BackoffLimitExceeded"
     assert status["backoffCount"] == 2
-    # cleanPodPolicy Running: the pod still running is deleted, the failed one kept for logs.
+    # cleanPodPolicy Running: the pod still running is deleted, the failed one kept for logs
+    # (the same pod, Failed, released: nothing holds it but its logs' worth).
     wait_for(lambda: "delta-worker-1" not in live(env, "delta"), "cleanup")
+    env.confirm_deletions("delta")
+    wait_for(lambda: names(env.pods("delta")) == ["delta-worker-0"], "the running pod gone")
+    kept = wait_for(
+        lambda: (
+            (pod := env.pod("delta-worker-0")) and not pod["metadata"].get("finalizers") and pod
+        ),
+        "the failed pod released",
+    )
+    assert kept["metadata"]["uid"] == last["metadata"]["uid"]
+    assert (kept["status"]["phase"], kept["metadata"].get("deletionTimestamp")) == ("Failed", None)
 
 
 def test_scale_up_then_down_through_the_scale_subresource(env: OperatorEnv) -> None:
@@ -249,8 +261,8 @@ def test_the_deadline_passes(env: OperatorEnv) -> None:
 
 def test_pod0_deleted_by_a_user_comes_back_under_the_same_name(env: OperatorEnv) -> None:
     running_job(env, "theta")
-    old = env.pod("theta-worker-0")
-    assert old is not None
+    old, other = env.pod("theta-worker-0"), env.pod("theta-worker-1")
+    assert old is not None and other is not None
     assert env.delete_pod("theta-worker-0") == 200
     wait_for(lambda: env.status("theta").get("restarts") == 1, "the deletion counted")
     env.confirm_deletions("theta")
@@ -258,7 +270,9 @@ def test_pod0_deleted_by_a_user_comes_back_under_the_same_name(env: OperatorEnv)
     assert (new["spec"]["hostname"], new["spec"]["subdomain"]) == ("theta-worker-0", "theta")
     assert env.status("theta")["failures"][0]["reason"] == "Deleted"
     assert counts(env, "theta") == (1, 0)
-    assert env.pod("theta-worker-1")["metadata"]["uid"]  # type: ignore[index] # untouched
+    untouched = env.pod("theta-worker-1")  # the same pod, never deleted
+    assert untouched is not None and not untouched["metadata"].get("deletionTimestamp")
+    assert untouched["metadata"]["uid"] == other["metadata"]["uid"]
 
 
 def test_pod0_on_a_lost_node_recovers_within_the_bound(emulated: EmulatorEnv) -> None:
@@ -368,6 +382,10 @@ def test_an_invalid_spec_is_reported_on_that_job_only(emulated: EmulatorEnv) -> 
     may read it): an InvalidSpec condition names the fields, no pod is made, and the other
     job is served."""
     env = emulated
+    env.expect_failures(
+        r"error: invalid DDPJob: spec\.nprocPerNode: must be an integer >= 1 or 'auto' \(got 0\)"
+        r".* \[DDPJob default/mu\]$"
+    )
     bad = {
         "apiVersion": "ddpjob.io/v1alpha1",
         "kind": "DDPJob",
@@ -459,6 +477,7 @@ def test_metrics_liveness_and_json_logs(env: OperatorEnv) -> None:
 
 def test_refuses_to_start_without_the_crd(tmp_path: Path) -> None:
     with operator_env(tmp_path, with_ddpjob_crd=False) as world:
+        world.expect_failures(r"exited by itself with code 2$")
         world.start_operator()
         assert world.process is not None
         assert world.process.wait(timeout=30) == 2
@@ -620,9 +639,21 @@ def test_the_chart_grants_every_request_of_a_recorded_run(tmp_path: Path) -> Non
 
 
 def test_a_pod_the_api_server_refuses_is_reported_on_the_job(emulated: EmulatorEnv) -> None:
+    """Reported by an Event (one per distinct error of a pass) and the log; the pass is retried.
+    The status has no condition for it (api.ConditionType has none): it counts no failure."""
     env = emulated
+    refused = '422 Invalid: Pod "x" is invalid: bad'
+    env.expect_failures(rf"warn: reconcile failed \({refused}; {refused}\); retrying in 1s")
     env.control.add_fault("POST", r"/pods$", 422, count=2, message='Pod "x" is invalid: bad')
     env.create_job("psi")
-    event = wait_for(lambda: env.events(reason="ActionFailed"), "an ActionFailed event")
-    assert "422" in event[0]["message"] and "is invalid" in event[0]["message"]
+    wait_for(lambda: env.events(reason="ActionFailed"), "an ActionFailed event")
     wait_for(lambda: len(env.pods("psi")) == 2, "created once the API accepts them", timeout=30)
+    # Both creates of the first pass were refused, with one message: one Event, on the job.
+    [event] = env.events(reason="ActionFailed")
+    assert (event["type"], event["message"]) == ("Warning", refused)
+    assert (event["involvedObject"]["kind"], event["involvedObject"]["name"]) == ("DDPJob", "psi")
+    assert env.control.count_requests("create", "pods", status=422) == 2
+    status = env.status("psi")
+    assert (status.get("restarts", 0), status.get("backoffCount", 0), status["failures"]) == (
+        0, 0, [],
+    ), status  # fmt: skip

@@ -66,6 +66,10 @@ def test_pod_security_of_deploys_namespace_admits_the_jobs_pods(real: RealEnv) -
         f"/api/v1/namespaces/{restricted}",
         {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
     )
+    real.expect_failures(
+        rf'reconcile failed \(403 Forbidden: pods "psa-worker-\d" is forbidden: violates '
+        rf'PodSecurity "restricted:latest": .* \[DDPJob {restricted}/psa\]$'
+    )
     real.start_operator(namespaces=(admitted, restricted))
     real.create_job("psa", namespace=admitted)
     real.create_job("psa", namespace=restricted)
@@ -184,6 +188,10 @@ def test_a_service_of_the_jobs_name_that_is_not_its_own_is_reported(real: RealEn
         "spec": {"selector": {"app": "something-else"}, "ports": [{"port": 80}]},
     }
     real.k.api.create(f"/api/v1/namespaces/{real.namespace}/services", other)
+    real.expect_failures(
+        rf"reconcile failed \(409 AlreadyExists: Service {real.namespace}/delta exists and is "
+        rf"not DDPJob {real.namespace}/delta's"
+    )
     real.create_job("delta")
     events = wait_for(lambda: real.events(reason="ActionFailed"), "an ActionFailed event", 30)
     message = events[0]["message"]

@@ -293,7 +293,14 @@ def frozen_log(
     logs.logs[uid] = PodLog(old["metadata"]["name"], uid, timed)
 
 
-def every_step_once(logs: PodLogs, steps: int, min_runs: int) -> None:
+def every_step_once(logs: PodLogs, steps: int, min_runs: int, ran: set[str]) -> None:
+    """Every step done once, over the logs of exactly the pods that ran (``ran``, their uids),
+    each collected without an error (a stream restarted reads its log again from the start,
+    skipping what it has: nothing lost)."""
+    assert logs.errors == [], logs.describe()
+    assert set(logs.logs) == ran, f"pods streamed and pods that ran differ:\n{logs.describe()}"
+    failed = [e for log in logs.logs.values() for e in log.errors if "stream restarted" not in e]
+    assert failed == [], logs.describe()
     runs = [run for log in logs.logs.values() for run in rank0_runs(log)]
     summary = "\n".join(str(run) for run in sorted(runs, key=lambda run: run.began))
     assert len(runs) >= min_runs, f"{len(runs)} runs of rank 0, expected {min_runs}+:\n{summary}"
@@ -346,7 +353,7 @@ def test_the_survivors_train_on_long_before_the_store_host_is_replaced(
     assert status.get("succeeded") == 2, status
     logs.finish()
     frozen_log(logs, old, written, frozen_at)
-    every_step_once(logs, steps, min_runs=2)
+    every_step_once(logs, steps, min_runs=2, ran=set(before.values()))
     assert checkpoint_step(tmp_path) == steps
 
 
@@ -446,5 +453,6 @@ def test_the_healed_store_host_trains_no_further_step(
     assert status.get("succeeded") == 3, status
     logs.finish()
     frozen_log(logs, old, written, frozen_at, later, healed_at)
-    every_step_once(logs, steps, min_runs=3)
+    ran = {*before.values(), replacement["metadata"]["uid"]}
+    every_step_once(logs, steps, min_runs=3, ran=ran)
     assert checkpoint_step(tmp_path) == steps

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -158,14 +159,19 @@ def kube(kube_cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator
     namespace = f"{slug}-{uuid.uuid4().hex[:6]}"
     test = KubeTest(kube_cluster, namespace, Path(str(request.node.path)).parent)
     test.create_namespace(namespace)
+    problems: list[str] = []
     try:
         yield test
     finally:
-        test.stop_operators()
-        test.release_pods()
-        test.restore_nodes()
-        for name in [namespace, *test.namespaces]:
-            kubectl_run(kube_cluster, "delete", "namespace", name, "--wait=false", check=False)
+        try:
+            problems = test.stop_operators()
+        finally:
+            test.release_pods()
+            test.restore_nodes()
+            for name in [namespace, *test.namespaces]:
+                kubectl_run(kube_cluster, "delete", "namespace", name, "--wait=false", check=False)
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
 
 
 def control_plane_report(item: pytest.Item, report: pytest.TestReport) -> None:
@@ -185,7 +191,7 @@ class KubeTest:
     cluster: ControlPlane
     namespace: str
     workdir: Path
-    operators: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+    operators: list[OperatorRun] = dataclasses.field(default_factory=list)
     namespaces: list[str] = dataclasses.field(default_factory=list)
     """More namespaces the test made (deleted with its own)."""
     spares: list[str] = dataclasses.field(default_factory=list)
@@ -325,11 +331,137 @@ class KubeTest:
         values = {"clusterWide": False, "watchNamespaces": [self.namespace]}
         apply_chart_rbac(self.cluster, values)
 
-    def stop_operators(self) -> None:
-        for process in self.operators:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
+    def stop_operators(self) -> list[str]:
+        """Stop every operator the test started (:meth:`OperatorRun.stop`); what went wrong in
+        any of them (none may be left running, whatever happens)."""
+        problems: list[str] = []
+        for run in self.operators:
+            problems += run.stop()
+        return problems
+
+
+# ---- the operator's health over a whole test --------------------------------------------------
+
+OPERATOR_STOP_SECONDS = 60.0
+"""How long ``ddpjob operator`` may take to exit on SIGTERM. kopf stops each job's daemon: at
+once when it waits between passes, after the pass under way otherwise (a daemon that does not
+stop within its cancellation backoff, 10 s, is cancelled, which :func:`operator_log_problems`
+reports)."""
+KOPF_FAILURE = re.compile(
+    r"^(?:Activity|Handler|Webhook|Indexer|Daemon|Timer) '[^']*' "
+    r"(?:failed|is cancelled|did not exit)"
+)
+"""kopf's lines for a handler that raised (``failed with an exception``, ``failed
+temporarily``, ``failed permanently``) and for a daemon it had to cancel or abandon on stop."""
+PASS_FAILURE = "reconcile failed ("
+"""The operator's line for a reconcile pass that raised: ``Controller.run_job`` logs it as a
+warning, without a traceback, and retries the pass with a back-off."""
+TRACEBACK = "Traceback (most recent call last):"
+SEVERE = ("error", "critical")
+
+
+def operator_log_problems(text: str) -> list[str]:
+    """What in a ``ddpjob operator`` log says that the operator went wrong: a traceback, a
+    record at error or critical level, kopf's line for a failed handler or a cancelled daemon,
+    a failed reconcile pass, and, in the default JSON format, output that is no log record
+    (it went to stderr past the logging, as Python's report of an uncaught exception does).
+    The ``plain`` format has messages only, without their level: there, the failure lines and
+    tracebacks are found. A normal run logs none of these: ``Handler '...' succeeded.``,
+    ``phase ...; actions: ...``, and a few warnings (fields ignored, a pod released)."""
+    lines = text.splitlines()
+    records = [_record(line) for line in lines]
+    if not any(records):
+        return _plain_log_problems(lines)
+    problems: list[str] = []
+    stray: list[str] = []
+    for line, record in zip(lines, records, strict=True):
+        if record is None:
+            stray.append(line)
+            continue
+        if stray:
+            problems.append("output that is no log record:\n" + "\n".join(stray))
+            stray = []
+        message, severity = str(record["message"]), str(record.get("severity", ""))
+        about = record.get("object") or {}
+        said = f"{severity}: {message}"
+        if about.get("name"):
+            said += f" [{about.get('kind')} {about.get('namespace')}/{about['name']}]"
+        if "exc_info" in record:
+            problems.append(f"{said}\n{record['exc_info']}")
+        elif severity in SEVERE or KOPF_FAILURE.match(message) or message.startswith(PASS_FAILURE):
+            problems.append(said)
+    if stray:
+        problems.append("output that is no log record:\n" + "\n".join(stray))
+    return problems
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "message" in record else None
+
+
+def _plain_log_problems(lines: list[str]) -> list[str]:
+    problems = []
+    for at, line in enumerate(lines):
+        if KOPF_FAILURE.match(line) or line.startswith(PASS_FAILURE):
+            problems.append(line)
+        elif line.startswith(TRACEBACK):
+            end = at + 1
+            while end < len(lines) and lines[end].startswith((" ", "\t")):
+                end += 1
+            problems.append("\n".join(lines[max(0, at - 1) : end + 1]))
+    return problems
+
+
+@dataclasses.dataclass
+class OperatorRun:
+    """One ``ddpjob operator`` process a test started: its log, and what the test expects in
+    it (regular expressions, searched in each problem :meth:`stop` finds: a test that injects
+    API errors or kills the operator says which failures it causes)."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    expected: list[str] = dataclasses.field(default_factory=list)
+    stopped_by_test: bool = False
+    """The test stopped it (with any signal): its exit code is the test's business."""
+    offset: int = 0
+    """Where in its log the part to check begins (an operator that serves many tests)."""
+
+    def stop(self) -> list[str]:
+        """Stop it as Kubernetes stops a pod (SIGTERM; SIGKILL after
+        :data:`OPERATOR_STOP_SECONDS`) and return what went wrong, unless expected: it did
+        not exit 0 on SIGTERM, it had exited by itself with an error, or its log holds
+        :func:`operator_log_problems`."""
+        problems = []
+        if self.process.poll() is None:
+            started = time.monotonic()
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                code = self.process.wait(timeout=OPERATOR_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+                problems.append(f"still running {OPERATOR_STOP_SECONDS:.0f}s after SIGTERM")
+            else:
+                took = time.monotonic() - started
+                if code != 0:
+                    problems.append(f"exited {code} on SIGTERM (after {took:.1f}s)")
+        elif self.process.returncode != 0 and not self.stopped_by_test:
+            problems.append(f"exited by itself with code {self.process.returncode}")
+        problems += self.log_problems()
+        return [f"the operator of {self.log}: {p}" for p in self.unexpected(problems)]
+
+    def log_problems(self) -> list[str]:
+        """:func:`operator_log_problems` in its log from :attr:`offset` on."""
+        return operator_log_problems(self.log.read_bytes()[self.offset :].decode(errors="replace"))
+
+    def unexpected(self, problems: list[str]) -> list[str]:
+        return [p for p in problems if not any(re.search(e, p) for e in self.expected)]
 
 
 def _dump(obj: Mapping[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 import ddpjob_worker
 from ddpjob_worker import probe
 from ddpjob_worker.contract import EXIT_INFRA, is_retryable_exit
-from ddpjob_worker.endpoint import wait_for_endpoint
+from ddpjob_worker.endpoint import is_local_address, wait_for_endpoint, wait_resolves_here
 from ddpjob_worker.errors import EndpointUnreachableError
 from ddpjob_worker.state import (
     AgentState,
@@ -152,6 +153,66 @@ def test_wait_for_endpoint_retries_with_backoff_until_it_connects() -> None:
     )
     assert probe_result.attempts == 3
     assert fake.sleeps == pytest.approx([0.05, 0.1])
+
+
+def test_the_store_host_waits_until_its_name_resolves_to_itself() -> None:
+    # A resumed job's new pod 0 hosts the store, and torch's client of it connects by the
+    # endpoint's name: that name resolves only once the EndpointSlice controller has published
+    # the new pod (CI saw pod 0 exit 200 on it, charged to the job). First no record, then the
+    # address of the pod it replaces, then its own.
+    fake = FakeTime()
+    answers: list[list[str] | None] = [None, ["10.0.0.7"], ["10.0.0.9"]]
+    seen: list[str] = []
+
+    def resolver(host: str, port: int) -> list[str]:
+        assert (host, port) == ("job-worker-0.job.ns.svc", 29400)
+        answer = answers.pop(0)
+        if answer is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return answer
+
+    probe = wait_resolves_here(
+        "job-worker-0.job.ns.svc",
+        29400,
+        30,
+        resolver=resolver,
+        local=lambda address: address == "10.0.0.9",
+        clock=fake.clock,
+        sleep=fake.sleep,
+        on_retry=lambda p: seen.append(p.last_error),
+    )
+    assert probe.attempts == 3
+    assert seen == [
+        "DNS lookup of 'job-worker-0.job.ns.svc' failed: Name or service not known",
+        "'job-worker-0.job.ns.svc' resolves to 10.0.0.7, not to this pod",
+    ]
+    assert fake.sleeps == pytest.approx([0.1, 0.2])
+
+
+def test_the_store_host_gives_up_when_its_name_never_names_it() -> None:
+    fake = FakeTime()
+    with pytest.raises(EndpointUnreachableError) as info:
+        wait_resolves_here(
+            "job-worker-0.job.ns.svc",
+            29400,
+            5,
+            resolver=lambda host, port: ["10.0.0.7"],
+            local=lambda address: False,
+            clock=fake.clock,
+            sleep=fake.sleep,
+            join_timeout=600,
+        )
+    message = str(info.value)
+    assert "hosts the rendezvous store at job-worker-0.job.ns.svc:29400" in message
+    assert "within 5.0s (join timeout 600s)" in message
+    assert "last: 'job-worker-0.job.ns.svc' resolves to 10.0.0.7, not to this pod" in message
+    assert info.value.exit_code == EXIT_INFRA
+
+
+def test_local_addresses_are_the_ones_a_socket_binds() -> None:
+    assert is_local_address("127.0.0.1")
+    assert is_local_address("127.0.0.2")  # all of 127/8 is the loopback's
+    assert not is_local_address("192.0.2.1")  # TEST-NET-1: never assigned, nothing sent
 
 
 def test_wait_for_endpoint_gives_up_at_the_deadline_naming_what_it_tried() -> None:

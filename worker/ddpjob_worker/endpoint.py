@@ -82,3 +82,81 @@ def wait_for_endpoint(
         if on_retry is not None:
             on_retry(probe)
         sleep(min(next_delay(probe.attempts - 1, cap=cap), remaining))
+
+
+Resolver = Callable[[str, int], list[str]]
+
+
+def resolve(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to (``socket.gaierror`` when it does not)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` belongs to this machine (network namespace): binding to it works.
+    Nothing is sent."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+    except OSError:
+        return False
+    return True
+
+
+def not_here(
+    host: str,
+    port: int,
+    *,
+    resolver: Resolver = resolve,
+    local: Callable[[str], bool] = is_local_address,
+) -> str | None:
+    """None when ``host`` resolves to an address of this machine; else why not.
+
+    The store host's own client connects to the rendezvous endpoint by name (torch's c10d
+    backend), and a new pod 0's name resolves only once the EndpointSlice controller has
+    published it: before that it does not resolve, or still names the pod it replaces."""
+    try:
+        addresses = resolver(host, port)
+    except OSError as exc:
+        return f"DNS lookup of {host!r} failed: {getattr(exc, 'strerror', None) or exc}"
+    if any(local(address) for address in addresses):
+        return None
+    return f"{host!r} resolves to {', '.join(sorted(set(addresses)))}, not to this pod"
+
+
+def wait_resolves_here(
+    host: str,
+    port: int,
+    timeout: float,
+    *,
+    resolver: Resolver = resolve,
+    local: Callable[[str], bool] = is_local_address,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    on_retry: Callable[[Probe], None] | None = None,
+    join_timeout: float | None = None,
+) -> Probe:
+    """Block until ``host`` resolves to this machine, or raise :class:`EndpointUnreachableError`
+    after ``timeout`` seconds naming the name and what it resolved to last."""
+    start = clock()
+    deadline = start + timeout
+    probe = Probe()
+    while True:
+        error = not_here(host, port, resolver=resolver, local=local)
+        probe.attempts += 1
+        if error is None:
+            return probe
+        probe.last_error = error
+        remaining = deadline - clock()
+        if remaining <= 0:
+            raise EndpointUnreachableError(
+                f"this agent hosts the rendezvous store at {host}:{port}, but that name did not "
+                f"resolve to this pod within {clock() - start:.1f}s (join timeout "
+                f"{join_timeout or timeout:g}s); last: {error}. The name must be pod 0's own "
+                "(its hostname and subdomain under the job's headless Service)."
+            )
+        if on_retry is not None:
+            on_retry(probe)
+        sleep(min(next_delay(probe.attempts - 1, initial=0.1, cap=1.0), remaining))

@@ -32,7 +32,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from ddpjob_worker import liveness, signals, warm
 from ddpjob_worker.agent import DdpjobAgent
-from ddpjob_worker.endpoint import try_connect, wait_for_endpoint
+from ddpjob_worker.endpoint import Probe, try_connect, wait_for_endpoint, wait_resolves_here
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
 from ddpjob_worker.failover import first_store
 from ddpjob_worker.hubrdzv import HubBackend, HubRendezvousHandler
@@ -304,35 +304,59 @@ def _port_busy(exc: BaseException) -> bool:
 def _host_store(
     make: Callable[[], RendezvousHandler], endpoint: str, settings: Settings, state: StateWriter
 ) -> RendezvousHandler:
-    """Host the store at ``endpoint`` (``make()``); while its port is taken (the pod we replace
-    may still hold it, terminating, on a hostNetwork node), try again with a back-off up to the
-    join timeout, saying what we wait for."""
+    """Host the store at ``endpoint`` (``make()``). torch's own client of the store connects to that
+    name, so first wait until it resolves to this pod (a new pod 0's DNS record follows it by
+    a moment; CI saw a resumed job's pod 0 give up on it). Then, while the port is taken (the
+    pod we replace may still hold it, terminating, on a hostNetwork node) or the store does not
+    answer, try again with a back-off up to the join timeout, saying what we wait for."""
     deadline = time.monotonic() + settings.join_timeout
+    host, port = split_endpoint(endpoint)
+
+    def waiting(probe: Probe) -> None:
+        if probe.attempts == 1:
+            state.update(phase=Phase.WAITING)
+            logger.warning("waiting for the store's name to resolve here: %s", probe.last_error)
+
+    probe = wait_resolves_here(
+        host, port, settings.join_timeout, on_retry=waiting, join_timeout=settings.join_timeout
+    )
+    if probe.attempts > 1:
+        logger.info("%s resolves to this pod after %d tries", host, probe.attempts)
     attempt = 0
     while True:
         signals.check()
         try:
             return make()
         except RendezvousConnectionError as exc:
-            if not _port_busy(exc):
-                raise
+            busy = _port_busy(exc)
             if time.monotonic() >= deadline:
-                raise EndpointUnreachableError(
-                    f"could not host the rendezvous store at {endpoint}: its port stayed "
-                    f"in use for the join timeout ({settings.join_timeout:g}s); something else "
-                    "listens there (another job's store, on the same node with hostNetwork?)"
-                ) from exc
+                if busy:
+                    raise EndpointUnreachableError(
+                        f"could not host the rendezvous store at {endpoint}: its port "
+                        f"stayed in use for the join timeout ({settings.join_timeout:g}s); "
+                        "something else listens there (another job's store, on the same node "
+                        "with hostNetwork?)"
+                    ) from exc
+                raise
             if attempt == 0:
                 state.update(phase=Phase.WAITING)
             delay = next_delay(attempt, initial=0.2, cap=2.0)
             logger.warning(
-                "the rendezvous port of %s is in use (the pod we replace may still hold it): "
-                "trying again in %.1fs, until the join timeout",
+                "could not host the rendezvous store at %s (%s): trying again in %.1fs, until "
+                "the join timeout",
                 endpoint,
+                "its port is in use: the pod we replace may still hold it" if busy else _cause(exc),
                 delay,
             )
             attempt += 1
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost cause's message (torch wraps the store's error in its own)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _join_hub(
