@@ -441,6 +441,9 @@ class DdpjobAgent(LocalElasticAgent):
             )
         except Exception as exc:  # best effort: peers fall back on our heartbeats lapsing
             logger.warning("could not %s: %s", what, exc)
+        else:
+            if hosting:
+                logger.info("handed the rendezvous store over: the others carry on without us")
 
     # -- rendezvous with store recovery -------------------------------------------------------
 

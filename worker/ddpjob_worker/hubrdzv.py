@@ -185,7 +185,12 @@ class HubRendezvousHandler(RendezvousHandler):
         ends, waiting = view.ends, view.waiting
         if ends:
             waiting = max(waiting, 1)
-            logger.info("our round is over (%s): re-forming", ", ".join(sorted(ends)))
+            cut = sorted(str(node) for node in view.cut)
+            logger.info(
+                "our round is over (%s): re-forming%s",
+                ", ".join(sorted(ends)),
+                f" without {', '.join(cut)}" if cut else "",
+            )
         return Look(waiting=waiting, ends=ends, dropped=frozenset(map(_as_repr, view.cut)))
 
     def announce_end(self, *reasons: str) -> None:

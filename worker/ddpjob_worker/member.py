@@ -299,6 +299,7 @@ class Member:
             info = self.view.round
             reasons = frozenset(str(reason) for reason in message.get("reasons", []))
             if "handover" in reasons:
+                logger.info("the store's host hands over (it stops): carrying on around a new host")
                 self._set(hub_lost=Health.GONE, ends=self.view.ends | reasons)
                 return
             if info is not None and message.get("round") == info.round:

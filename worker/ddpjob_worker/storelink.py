@@ -55,6 +55,8 @@ from ddpjob_worker.watch import RoundControl, RoundView
 logger = logging.getLogger("ddpjob_worker.storelink")
 
 HOST_BIND_SECONDS = 10.0
+SUPERSEDED_LOOK_SECONDS = 3.0
+"""While we wait for a lost store to come back, how often we ask whether another supersedes it."""
 """How long hosting a new generation's store may take on one port."""
 _PendingLook = tuple["concurrent.futures.Future[StoreAnswer | None]", str | None]
 """A look for a newer store (:meth:`StoreLink._newer_store`) and the store it started from."""
@@ -157,16 +159,35 @@ class StoreLink:
             return
         where, port = split_endpoint(self.params.endpoint)
         logger.warning("waiting for the rendezvous store at %s:%d to come back", where, port)
-        handler = self.connect(
-            self.params,
-            deadline,
-            retry_after=0.2,
-            # Its kernel still accepts (frozen, or its machine half alive) but nobody answers:
-            # a client would wait on it forever. Wait for it to answer, or for the endpoint to
-            # name another host (its replacement).
-            hold=self._old_host_silent,
-            gone=f"the rendezvous store at {where}:{port} did not come back",
-        )
+        round_ = self._last_round()
+        while True:
+            # Between tries, ask the last round's members whether a store supersedes ours: the
+            # store we wait for may never come back (its host stepped down to an older
+            # generation that formed a round with a majority, and closed it).
+            look_until = min(deadline, time.monotonic() + SUPERSEDED_LOOK_SECONDS)
+            try:
+                handler = self.connect(
+                    self.params,
+                    look_until if self._settings.failover and round_ is not None else deadline,
+                    retry_after=0.2,
+                    # Its kernel still accepts (frozen, or its machine half alive) but nobody
+                    # answers: a client would wait on it forever. Wait for it to answer, or for
+                    # the endpoint to name another host (its replacement).
+                    hold=self._old_host_silent,
+                    gone=f"the rendezvous store at {where}:{port} did not come back",
+                )
+            except EndpointUnreachableError:
+                if time.monotonic() >= deadline or round_ is None:
+                    raise
+                found = self._newer_store(round_)
+                if found is not None:
+                    logger.warning(
+                        "generation %d at %s carries the job on: joining it", found.gen, found.store
+                    )
+                    self._join_newer(found, deadline)
+                    return
+                continue
+            break
         self._install(handler, self.view)
         logger.info("rejoining with a fresh rendezvous handler (recovery %d)", self.view.recoveries)
 
