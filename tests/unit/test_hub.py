@@ -30,13 +30,13 @@ WIRE = Wire(Seal(b"the job's key"), "run")
 class Pod:
     """A member with a liveness socket of its own, as an agent has."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, pid: int | None = None) -> None:
         self.index = index
         self.listener: liveness.Listener | None = liveness.Listener("127.0.0.1")
         self.silencer: socket.socket | None = None
         self.member = Member(
             WIRE,
-            ident=NodeIdent(f"127.0.0.1_{1000 + index}"),
+            ident=NodeIdent(f"127.0.0.1_{pid or 1000 + index}"),
             index=index,
             liveness_address=self.listener.address,
         )
@@ -200,6 +200,61 @@ def test_no_round_without_a_majority_of_the_last_one(pods: list[Pod]) -> None:
         assert view.round is None, "fenced"
         start(pods, 1, address, first=2)  # 3 of 5
         in_round(pods, 3)
+    finally:
+        run_on_loop(made.stop())
+
+
+def test_a_healed_pod_whose_replacement_holds_its_index_is_told_so(pods: list[Pod]) -> None:
+    # Pod 0 (1000) was cut off; its replacement (2000, same index) holds index 0 in the last
+    # round. The old one heals and asks to join with the others: it is told it was replaced,
+    # and the round forms with the replacement, whatever the order of the joins.
+    new = NodeIdent("127.0.0.1_2000")
+    base = {new: 0, NodeIdent("127.0.0.1_1001"): 1, NodeIdent("127.0.0.1_1002"): 2}
+    made, address = hub(
+        gen=2, min_nodes=3, max_nodes=3, base={**base}, base_id="2.1", expected=set(base)
+    )
+    try:
+        healed = Pod(0)
+        healed.member.history.rounds = 3  # it trained before it was cut off
+        pods.append(healed)
+        healed.member.connect(address)
+        healed.member.join()
+        start(pods, 2, address, first=1)
+        replacement = Pod(0, pid=2000)
+        replacement.member.history.rounds = 1  # it joined round 2.1
+        pods.append(replacement)
+        replacement.member.connect(address)
+        replacement.member.join()
+        view = healed.member.wait(lambda v: v.replaced, 10)
+        assert view.replaced and view.round is None
+        assert NodeIdent("127.0.0.1_1000") in made._replaced
+        in_round([replacement, *pods[1:3]], 3)
+        assert replacement.view.round is not None and replacement.view.round.rank == 0
+        assert made.view.participants.keys() == {new, *list(base)[1:]}
+    finally:
+        run_on_loop(made.stop())
+
+
+def test_a_new_pod_of_an_index_takes_it_from_the_last_round(pods: list[Pod]) -> None:
+    # The other way round: the holder of index 1 in the last round (1001) and a pod the job
+    # has never seen with index 1 (a replacement: the old pod object was deleted). The new pod
+    # is in the next round; the old holder is told it was replaced.
+    made, address = hub(min_nodes=3, max_nodes=3)
+    try:
+        start(pods, 3, address)
+        assert in_round(pods, 3) == 0
+        newcomer = Pod(1, pid=3001)
+        pods.append(newcomer)
+        newcomer.member.connect(address)
+        newcomer.member.join()
+        rejoin(pods[:3])
+        assert pods[1].member.wait(lambda v: v.replaced, 10).replaced
+        in_round([pods[0], newcomer, pods[2]], 3)
+        assert set(made.view.participants) == {
+            NodeIdent("127.0.0.1_1000"),
+            NodeIdent("127.0.0.1_3001"),
+            NodeIdent("127.0.0.1_1002"),
+        }
     finally:
         run_on_loop(made.stop())
 

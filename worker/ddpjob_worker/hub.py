@@ -74,6 +74,8 @@ class _Session:
     liveness: str | None
     writer: asyncio.StreamWriter
     heard: float
+    fresh: bool = False
+    """It was never given a round (a new pod): the old holder of its index yields to it."""
     left: bool = False
     closed: bool = False
     """Its connection closed."""
@@ -237,6 +239,7 @@ class Hub:
             liveness=message.get("liveness") if isinstance(message.get("liveness"), str) else None,
             writer=writer,
             heard=self._clock(),
+            fresh=message.get("fresh") is True,
         )
         self._sessions[ident] = session
         self._suspects.pop(ident, None)
@@ -386,6 +389,7 @@ class Hub:
     def _maybe_complete(self) -> None:
         if not self._forming or self._closed:
             return
+        self._one_pod_per_index()
         count = len(self._joined)
         now = self._clock()
         if count >= self._min and self._call_at is None:
@@ -416,6 +420,58 @@ class Hub:
             return
         self._complete(joined[: self._max] if count > self._max else joined)
 
+    def _one_pod_per_index(self) -> None:
+        """At most one agent per pod index in a round: the operator makes pod *i* again only
+        once the old pod object is gone, so of two agents of one index one belongs to a pod
+        that no longer exists.
+
+        * One that was a member before, is not in the last round (it was cut off) and whose
+          index a member of the last round holds (its replacement) is told it was replaced,
+          whether that replacement has asked to join yet or not: it stops without training.
+        * Of two that both asked, an agent never given a round (the replacement of a pod
+          whose object was deleted) goes before the last round's holder of the index, which
+          :meth:`_complete` then tells it was replaced; otherwise the first to ask stays."""
+        holders = {index: ident for ident, index in self._base.items() if index is not None}
+        kept: dict[int, _Session] = {}
+        for session in list(self._joined.values()):
+            index = session.index
+            if index is None:
+                continue
+            holder = holders.get(index)
+            if self._claim(session) == 0 and holder is not None and holder != session.ident:
+                self._drop_replaced(session, by=holder)
+                continue
+            other = kept.get(index)
+            if other is None:
+                kept[index] = session
+            elif self._claim(session) > self._claim(other):
+                kept[index] = session
+                self._joined.pop(other.ident, None)
+                self._missing.discard(other.ident)
+            else:
+                self._joined.pop(session.ident, None)
+                self._missing.discard(session.ident)
+
+    def _drop_replaced(self, session: _Session, *, by: NodeIdent) -> None:
+        logger.warning(
+            "%s asks to join, but %s holds its pod index %s: it was replaced",
+            session.ident,
+            by,
+            session.index,
+        )
+        self._joined.pop(session.ident, None)
+        self._missing.discard(session.ident)
+        self._replaced.add(session.ident)
+        self._send(session, {"t": "replaced", "gen": self.gen})
+
+    def _claim(self, session: _Session) -> int:
+        """How strong a member's claim to its pod index is: 2 for an agent never given a
+        round (a new pod), 1 for a member of the last round, 0 for another (it was in an
+        earlier round, and cut off)."""
+        if session.fresh:
+            return 2
+        return 1 if session.ident in self._base else 0
+
     def _complete(self, joined: list[_Session]) -> None:
         ordered = sorted(joined, key=lambda s: (s.index is None, s.index or 0, s.ident))
         self._participants = {s.ident: rank for rank, s in enumerate(ordered)}
@@ -423,11 +479,16 @@ class Hub:
         # the operator makes pod i again only once the old pod object is gone. If its agent
         # comes back (healed from a partition), it must not train beside its replacement.
         indexes = {s.index for s in ordered if s.index is not None}
-        self._replaced |= {
+        replaced = {
             ident
             for ident, index in self._base.items()
             if index in indexes and ident not in self._participants
         }
+        self._replaced |= replaced
+        for ident in replaced:
+            session = self._sessions.get(ident)
+            if session is not None:
+                self._send(session, {"t": "replaced", "gen": self.gen})
         base = {s.ident: s.index for s in ordered}
         base_id = f"{self.gen}.{self._round}"
         chain = [[s.ident, s.index, s.liveness] for s in ordered[:CHAIN]]

@@ -41,7 +41,7 @@ from ddpjob_worker.errors import AgentError
 from ddpjob_worker.hub import Hub
 from ddpjob_worker.keys import RunKeys
 from ddpjob_worker.liveness import Health
-from ddpjob_worker.member import Member, MemberView, RoundInfo
+from ddpjob_worker.member import History, Member, MemberView, RoundInfo
 from ddpjob_worker.nodes import INCARNATION_SHIFT, NodeIdent, NodeRepr, ident
 from ddpjob_worker.seal import Seal
 from ddpjob_worker.watch import Look, RoundView, RoundWatch
@@ -263,6 +263,7 @@ class HubBackend:
         self._incarnation = incarnation
         self._liveness = liveness_address
         self._index = index
+        self._history = History()
 
     def _address(self, params: RendezvousParameters) -> str:
         return params.local_addr or socket.getfqdn()
@@ -279,6 +280,7 @@ class HubBackend:
             ident=ident(me),
             index=self._index,
             liveness_address=self._liveness,
+            history=self._history,
         )
 
     def host(

@@ -34,6 +34,14 @@ logger = logging.getLogger("ddpjob_worker.member")
 CONNECT_SECONDS = 2.0
 
 
+@dataclasses.dataclass
+class History:
+    """What one agent has done in the job, across its stores (shared by its members)."""
+
+    rounds: int = 0
+    """Rounds it was given. 0: a fresh pod, which a pod index's old holder yields to."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundInfo:
     """The round the hub gave us."""
@@ -80,13 +88,16 @@ class Member:
         ident: NodeIdent,
         index: int | None,
         liveness_address: str | None,
+        history: History | None = None,
         ask: Callable[[str], Answer] = liveness.ask,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``history``: the agent's, shared by the members it makes for each store."""
         self._wire = wire
         self.ident = ident
         self._index = index
         self._liveness = liveness_address
+        self.history = history if history is not None else History()
         self._ask = ask
         self._clock = clock
         self.view = MemberView()
@@ -161,7 +172,13 @@ class Member:
         self._acked = self._clock()
         self._set(connected=True, hub_lost=None)
         await self._write(
-            {"t": "hello", "ident": self.ident, "index": self._index, "liveness": self._liveness}
+            {
+                "t": "hello",
+                "ident": self.ident,
+                "index": self._index,
+                "liveness": self._liveness,
+                "fresh": self.history.rounds == 0,
+            }
         )
         if self._joining:
             await self._write({"t": "join"})  # the hub forgot we asked when our link closed
@@ -293,6 +310,7 @@ class Member:
                 host=_host(message.get("host")),
             )
             self._joining = False
+            self.history.rounds += 1
             self._set(round=info, ends=frozenset(), cut=frozenset(), waiting=0, gen=info.gen)
         elif kind == "over":
             self._acked = now
