@@ -444,6 +444,8 @@ class DdpjobAgent(LocalElasticAgent):
         else:
             if hosting:
                 logger.info("handed the rendezvous store over: the others carry on without us")
+            else:
+                logger.info("left the rendezvous: the others re-form without us")
 
     # -- rendezvous with store recovery -------------------------------------------------------
 

@@ -187,7 +187,7 @@ class HubRendezvousHandler(RendezvousHandler):
             waiting = max(waiting, 1)
             cut = sorted(str(node) for node in view.cut)
             logger.info(
-                "our round is over (%s): re-forming%s",
+                "our round announced its end (%s): re-forming%s",
                 ", ".join(sorted(ends)),
                 f" without {', '.join(cut)}" if cut else "",
             )

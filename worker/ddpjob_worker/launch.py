@@ -373,7 +373,8 @@ def _join_hub(
     while True:
         signals.check()
         host, port = split_endpoint(target.endpoint)
-        if try_connect(host, port, JOIN_TRY_SECONDS) is None:
+        error = try_connect(host, port, JOIN_TRY_SECONDS)
+        if error is None:
             try:
                 handler = backend.client(target)
             except RendezvousConnectionError as exc:
@@ -388,8 +389,10 @@ def _join_hub(
                 )
         if time.monotonic() >= deadline:
             raise EndpointUnreachableError(
-                f"no store of this job answered within the join timeout "
-                f"({settings.join_timeout:g}s), at {params.endpoint} or where its pods said"
+                f"rendezvous endpoint {target.endpoint} is unreachable, and no pod of the job "
+                f"named another store (join timeout {settings.join_timeout:g}s); last error: "
+                f"{error or 'the store did not answer'}. Check that the store host (pod 0) is "
+                "running and that its Service/DNS name is right."
             )
         time.sleep(JOIN_RETRY_SECONDS)
         start = first_store(
