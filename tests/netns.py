@@ -75,6 +75,47 @@ class Fabric:
     def heal(self, index: int) -> None:
         _ip("-n", self.hub, "link", "set", f"h{index}", "up")
 
+    def split(self, side: set[int]) -> None:
+        """Partition the nodes of ``side`` from the others, each side whole: their bridge
+        ports move to a second bridge with no link to the first (:meth:`join` undoes it)."""
+        with contextlib.suppress(RuntimeError):
+            _ip("-n", self.hub, "link", "add", "br1", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "br1", "up")
+        for index in sorted(side):
+            _ip("-n", self.hub, "link", "set", f"h{index}", "master", "br1")
+
+    def join(self, side: set[int]) -> None:
+        for index in sorted(side):
+            _ip("-n", self.hub, "link", "set", f"h{index}", "master", "br0")
+
+    def block(self, index: int, other: int) -> None:
+        """Drop what node ``index`` sends to node ``other`` and what it receives from it (one
+        link of the network down, the others up), with nftables in ``index``'s namespace."""
+        ns, peer = self.node(index), self.address(other)
+        rules = (
+            "add table inet cut\n"
+            "add chain inet cut out { type filter hook output priority 0 ; }\n"
+            "add chain inet cut in { type filter hook input priority 0 ; }\n"
+            f"add rule inet cut out ip daddr {peer} drop\n"
+            f"add rule inet cut in ip saddr {peer} drop\n"
+        )
+        result = subprocess.run(
+            ["ip", "netns", "exec", ns, "nft", "-f", "-"],
+            input=rules,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"nft in {ns}: {result.stderr.strip()}")
+
+    def unblock(self, index: int) -> None:
+        subprocess.run(
+            ["ip", "netns", "exec", self.node(index), "nft", "delete", "table", "inet", "cut"],
+            capture_output=True,
+            check=False,
+        )
+
     def close(self) -> None:
         """Remove every namespace (their processes must be gone: the cluster kills them)."""
         for index in sorted(self._nodes):

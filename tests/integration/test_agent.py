@@ -340,7 +340,9 @@ def test_members_dropped_from_their_round_rejoin_and_the_newcomer_trains_with_th
     # and the newcomer's sync drops them all and opens the next round, which it then waits in
     # alone. torch's agents train on in a round the state no longer has, and never see anyone
     # waiting. Ours notice they are out of it, rejoin, and the newcomer trains with them.
+    # torch's c10d rendezvous: outside a DDPJob pod (in one, the hub holds the rounds).
     cluster = make_cluster(min_nodes=2, max_nodes=3)
+    cluster.failover = False
     nodes = [cluster.start(i, train_args(300, sleep=0.05)) for i in range(2)]
     for node in nodes:
         wait_until(f"world 2 on node {node.index}", reached(node, 5, world=2), 120)

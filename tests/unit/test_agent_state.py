@@ -245,9 +245,13 @@ MEMBERSHIP_CORE = (
     "ddpjob_worker.blame",
     "ddpjob_worker.failover",
     "ddpjob_worker.advert",
+    "ddpjob_worker.hub",
+    "ddpjob_worker.member",
+    "ddpjob_worker.wire",
 )
 """What the agent knows of membership without torch: the restart ledger, node names, the run's
-keys, the peer watch, blame, the failover and fencing rules, and the liveness answer. One job of
+keys, the peer watch, blame, the failover and fencing rules, the liveness answer, and the hub
+and its members (the store host's single writer of rounds). One job of
 1,024 pods runs many of these to a process, with no torch and no worker processes."""
 
 
@@ -280,7 +284,7 @@ def test_most_of_the_worker_package_imports_without_torch() -> None:
     )
     light = set(json.loads(run.stdout))
     modules = {path.stem for path in Path(ddpjob_worker.__file__).parent.glob("*.py")}
-    torch_side = {"agent", "launch", "storelink", "rendezvous", "workers"}
+    torch_side = {"agent", "launch", "storelink", "rendezvous", "hubrdzv", "workers"}
     assert light == modules - torch_side - {"__init__"}, sorted(light)
     assert {name.rpartition(".")[2] for name in MEMBERSHIP_CORE} <= light
     assert len(light) >= 18 - 1 + 4  # 17 modules and the package itself before the split

@@ -1,6 +1,6 @@
-"""Store failover and fencing as pure decisions (``ddpjob_worker.failover``), the majority read
-from the run's keys in a store in memory (``ddpjob_worker.keys``). No torch, no sockets: peers'
-answers are what a fake ``ask`` returns.
+"""Store failover and fencing as pure decisions (``ddpjob_worker.failover``). No torch, no
+sockets: peers' answers are what a fake ``ask`` returns. The hub applies the majority rule to
+the members in its memory (``tests/unit/test_hub.py`` runs one).
 
 The cases the agent must get right: the majority with members known gone, who hosts next, a
 host that wakes after the others moved on and steps down, a newer generation found while
@@ -28,96 +28,60 @@ from ddpjob_worker.failover import (
     StoreView,
     begin,
     first_store,
+    has_quorum,
     heard,
     newer_store,
     next_step,
     succeed,
 )
-from ddpjob_worker.keys import RunKeys
 from ddpjob_worker.liveness import SILENT_AFTER_SECONDS, Answer, Health
-from ddpjob_worker.nodes import NodeIdent, NodeRepr
-from ddpjob_worker.seal import Seal
-from tests.unit.memstore import MemStore
+from ddpjob_worker.nodes import NodeIdent
 
-SEAL = Seal(b"the job's key")
 RUN = "run-1"
 A, B, C, D = (NodeIdent(f"10.0.0.{i}_{i}") for i in range(1, 5))
 RANKS = {A: 0, B: 1, C: 2, D: 3}
 """The last round: four agents; A hosted the store."""
 
 
-def node(name: NodeIdent) -> NodeRepr:
-    """The node as one store names it (a plain torchrun agent: local id 0)."""
-    return NodeRepr(f"{name}_0")
-
-
-def keys_of(store: Any, me: NodeIdent = A) -> RunKeys:
-    return RunKeys(store, RUN, SEAL, node(me))
-
-
-def with_base(
-    members: Mapping[NodeIdent, int | None], *, gone: tuple[NodeIdent, ...] = ()
-) -> RunKeys:
-    """A new generation's store whose host recorded the last round as the base."""
-    keys = keys_of(MemStore())
-    keys.record_base("1.3", dict(members))
-    keys.confirm_gone(gone, "1.3")
-    return keys
+def quorum(
+    joined: list[NodeIdent],
+    base: Mapping[NodeIdent, int | None],
+    gone: tuple[NodeIdent, ...] = (),
+    indexes: Mapping[NodeIdent, int | None] | None = None,
+) -> bool:
+    """The hub's rule for completing a round (``has_quorum``), as it applies it: the joined
+    members' pod indexes are what they said in their hello."""
+    return has_quorum(joined, base, gone, {**{n: base.get(n) for n in joined}, **(indexes or {})})
 
 
 # -- the majority ---------------------------------------------------------------------------
 
 
 def test_a_round_needs_a_majority_of_the_members_not_known_gone() -> None:
-    keys = with_base(RANKS)
-    assert not keys.quorum([node(B), node(C)]), "2 of 4 is a tie: maybe the other half trains"
-    assert keys.quorum([node(B), node(C), node(D)])
-    keys.confirm_gone([A], "1.3")  # the old host refused: its process is gone
-    assert keys.quorum([node(B), node(C)]), "2 of the 3 left"
-    assert not keys.quorum([node(C)])
-
-
-def test_a_member_that_left_on_sigterm_is_out_of_the_count() -> None:
-    store = MemStore()
-    keys = keys_of(store, B)
-    keys.record_base("1.3", {B: 1, C: 2, D: 3})
-    keys_of(store, D).add_left()
-    assert keys.quorum([node(B), node(C)]) is True
-    assert keys.quorum([node(C)]) is False, "1 of the 2 left: a tie"
+    assert not quorum([B, C], RANKS), "2 of 4 is a tie: maybe the other half trains"
+    assert quorum([B, C, D], RANKS)
+    assert quorum([B, C], RANKS, gone=(A,)), "the old host refused: 2 of the 3 left"
+    assert not quorum([C], RANKS, gone=(A,))
 
 
 def test_a_pod_replaced_under_its_index_counts_its_predecessor_out() -> None:
     """The operator makes pod i again only once the old pod object is gone."""
-    keys = with_base({A: 0, B: 1})
-    assert not keys.quorum([node(B)]), "one of two: a tie"
+    base = {A: 0, B: 1}
+    assert not quorum([B], base), "one of two: a tie"
     newcomer = NodeIdent("10.0.0.9_9")
-    keys_of(keys.store, newcomer).publish("10.0.0.9:1", index=0)  # pod 0's replacement
-    assert keys.quorum([node(B), node(newcomer)]), "A is out: B is all that is left of two"
+    assert quorum([B, newcomer], base, indexes={newcomer: 0}), "A is out: B is all that is left"
     scaled = NodeIdent("10.0.0.8_8")
-    keys_of(keys.store, scaled).publish("10.0.0.8:1", index=5)  # a scale-up is not
-    assert not keys.quorum([node(B), node(scaled)])
+    assert not quorum([B, scaled], base, indexes={scaled: 5}), "a scale-up is not"
 
 
-def test_a_forged_base_or_gone_list_is_not_believed() -> None:
-    keys = with_base(RANKS)
-    keys.store.append(f"ddpjob.{RUN}.gone.1.3", f"{A};{B};{C};")  # unsealed: anyone
-    assert not keys.quorum([node(D)])
-    keys.store.set(f"ddpjob.{RUN}.base", '{"id": "1.3", "members": {}}')
-    assert keys.base() is None
-    assert keys.quorum([node(D)]), "no base recorded by the job: the first round's rule"
+def test_no_base_no_gate() -> None:
+    assert quorum([D], {})
 
 
 @st.composite
 def partitions(
     draw: st.DrawFn,
-) -> tuple[
-    dict[NodeIdent, int],
-    set[NodeIdent],
-    set[NodeIdent],
-    set[NodeIdent],
-    set[NodeIdent],
-    set[NodeIdent],
-]:
+) -> tuple[dict[NodeIdent, int], set[NodeIdent], set[NodeIdent], set[NodeIdent], set[NodeIdent]]:
     """A base of 1-9 members split into two live sides and the dead; each side knows some of
     the dead as gone (by a refusal, or a replacement pod with its index), never a live one."""
     size = draw(st.integers(min_value=1, max_value=9))
@@ -128,41 +92,36 @@ def partitions(
     dead = {n for n, f in zip(base, fate, strict=True) if f == "D"}
     known_left = draw(st.sets(st.sampled_from(sorted(dead)))) if dead else set()
     known_right = draw(st.sets(st.sampled_from(sorted(dead)))) if dead else set()
-    return base, left, right, dead, known_left, known_right
-
-
-def replacements(known_left: set[NodeIdent], known_right: set[NodeIdent]) -> set[NodeIdent]:
-    """The operator makes one pod per index: a dead member's replacement joins one side."""
-    return known_right - known_left
+    return base, left, right, known_left, known_right
 
 
 def side(
     base: dict[NodeIdent, int], members: set[NodeIdent], known: set[NodeIdent], replaced: bool
 ) -> bool:
-    """Whether one side of a partition may complete a round on its own store: its host
-    recorded the base and confirmed what this side knows gone; ``replaced``: the dead this
-    side knows of were replaced by pods with their index, which joined this side."""
-    keys = with_base(base, gone=() if replaced else tuple(sorted(known)))
-    joined = [node(member) for member in members]
+    """Whether one side of a partition may complete a round on its own hub: the hub confirmed
+    what this side knows gone; ``replaced``: the dead this side knows of were replaced by pods
+    with their index, which joined this side."""
+    joined = list(members)
+    indexes: dict[NodeIdent, int | None] = {}
     for i, gone in enumerate(sorted(known) if replaced else []):
         newcomer = NodeIdent(f"r_{i}")
-        keys_of(keys.store, newcomer).publish("x:1", index=base[gone])
-        joined.append(node(newcomer))
-    return keys.quorum(joined)
+        indexes[newcomer] = base[gone]
+        joined.append(newcomer)
+    return quorum(joined, base, gone=() if replaced else tuple(sorted(known)), indexes=indexes)
 
 
 @given(partitions(), st.booleans(), st.booleans())
 def test_two_sides_of_a_partition_never_both_complete_a_round(
     split: tuple[Any, ...], replaced_left: bool, replaced_right: bool
 ) -> None:
-    """Each side judges on its own store with its own view of who is gone (a refusal it saw, a
-    replacement that joined it): asymmetric views of the dead never give both a majority. A
-    side is the live members of the last round on it (a round has at least one member); a
-    replaced member's process is dead (the operator makes pod i again only once the old pod
-    object is gone)."""
-    base, left, right, _, known_left, known_right = split
+    """Each side judges with its own view of who is gone (a refusal it saw, a replacement that
+    joined it): asymmetric views of the dead never give both a majority. A side is the live
+    members of the last round on it (a round has at least one member); a replaced member's
+    process is dead (the operator makes pod i again only once the old pod object is gone), and
+    the operator makes one pod per index, so a dead member's replacement joins one side."""
+    base, left, right, known_left, known_right = split
     if replaced_left and replaced_right:
-        known_right = replacements(known_left, known_right)
+        known_right = known_right - known_left
     if not (left or (replaced_left and known_left)) or not (
         right or (replaced_right and known_right)
     ):

@@ -79,7 +79,7 @@ class Job:
 
     def join(self) -> None:
         self.handler.next_rendezvous()
-        self.fast.joined()
+        self.fast.note_round()
 
     def close(self) -> None:
         stop = getattr(self.handler, "_stop_heartbeats", None)

@@ -51,15 +51,14 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.launcher.api import LaunchConfig
 
-from ddpjob_worker import signals, warm, watch, workers
+from ddpjob_worker import liveness, signals, warm, watch, workers
 from ddpjob_worker.blame import Blame, FailureReport, Verdict, describe_failure
 from ddpjob_worker.bounded import call_bounded
-from ddpjob_worker.errors import StoreUnreachableError
 from ddpjob_worker.failover import StoreView, SupersededError
-from ddpjob_worker.keys import END_FAILURE, END_HANDOVER, END_JOIN, END_LEAVE
+from ddpjob_worker.hubrdzv import HubBackend
+from ddpjob_worker.keys import END_FAILURE, END_JOIN
 from ddpjob_worker.ledger import RestartLedger
 from ddpjob_worker.liveness import Health
-from ddpjob_worker.nodes import ident
 from ddpjob_worker.policy import REAP_SECONDS, Action, Settings, WorkerStatus, decide
 from ddpjob_worker.rendezvous import check_in, round_members
 from ddpjob_worker.seal import Seal
@@ -121,6 +120,8 @@ class DdpjobAgent(LocalElasticAgent):
         early_spares: Sequence[warm.Spare] = (),
         gen: int = 1,
         hosting: bool | None = None,
+        listener: liveness.Listener | None = None,
+        backend: HubBackend | None = None,
     ) -> None:
         if config.logs_specs is None:
             raise ValueError("LaunchConfig.logs_specs must be set (LaunchConfig sets a default)")
@@ -149,6 +150,8 @@ class DdpjobAgent(LocalElasticAgent):
             view=StoreView(gen=gen, hosting=hosting, address=params.endpoint or None),
             use=self._use,
             last_round=lambda: self._watch.view,
+            listener=listener,
+            backend=backend,
         )
         self._restart = Restart(stop_seconds=settings.restart_stop_seconds)
         # (store, nodes) of each round we moved on from, for their exit barriers
@@ -239,33 +242,12 @@ class DdpjobAgent(LocalElasticAgent):
         return Tick(status, action, look, verdict)
 
     def _look(self) -> Look:
-        """One look at the round (:meth:`ddpjob_worker.watch.RoundWatch.look`)."""
-        handler = self._worker_group.spec.rdzv_handler
+        """One look at the round (:meth:`ddpjob_worker.watch.RoundControl.look`)."""
         rdzv = self._link.rdzv
-
-        def read() -> tuple[int, frozenset[str]]:
-            try:
-                waiting = handler.num_nodes_waiting()
-                return waiting, frozenset() if rdzv is None else rdzv.round_over()
-            except (RendezvousConnectionError, DistNetworkError, DistStoreError) as exc:
-                # torch wraps store errors in RendezvousConnectionError; our own look does not
-                raise StoreUnreachableError(str(exc)) from exc
-
-        def drop(silent: frozenset[Any], gone: frozenset[Any]) -> None:
-            if rdzv is None:
-                return
-            rdzv.announce_silent(sorted(silent))
-            if rdzv.fenced:
-                rdzv.keys.confirm_gone(ident(node) for node in gone)
-            rdzv.announce_end(END_FAILURE)
-            rdzv.expire(rdzv.members & (silent | gone))
-
-        return self._watch.look(
-            read,
-            drop,
-            hosting=self._link.view.hosting,
-            limit=self._settings.store_read_limit,
-        )
+        if rdzv is None:
+            return Look()
+        hosting = self._link.view.hosting
+        return rdzv.look(self._watch, hosting=hosting, limit=self._settings.store_read_limit)
 
     def _account(self, group: WorkerGroup, tick: Tick) -> Restart:
         """What a restart costs (:class:`ddpjob_worker.ledger.RestartLedger`), and why it
@@ -450,22 +432,20 @@ class DdpjobAgent(LocalElasticAgent):
         if rdzv is None or (hosting and not self._settings.failover):
             return
         self._watch.close()
-
-        def hand_over() -> None:
-            rdzv.keys.confirm_gone([ident(rdzv.me)])
-            rdzv.announce_end(END_LEAVE, END_HANDOVER)
-
-        if hosting:
-            what, call = "hand the store over", hand_over
-        else:
-            what, call = "leave the rendezvous", functools.partial(rdzv.leave, LEAVE_BOUND_SECONDS)
+        what = "hand the store over" if hosting else "leave the rendezvous"
         try:
-            call_bounded(call, what, limit=LEAVE_BOUND_SECONDS)
+            call_bounded(
+                functools.partial(rdzv.leave, LEAVE_BOUND_SECONDS, hosting=hosting),
+                what,
+                limit=LEAVE_BOUND_SECONDS,
+            )
         except Exception as exc:  # best effort: peers fall back on our heartbeats lapsing
             logger.warning("could not %s: %s", what, exc)
         else:
             if hosting:
                 logger.info("handed the rendezvous store over: the others carry on without us")
+            else:
+                logger.info("left the rendezvous: the others re-form without us")
 
     # -- rendezvous with store recovery -------------------------------------------------------
 
@@ -526,14 +506,10 @@ class DdpjobAgent(LocalElasticAgent):
         """Note the round just joined: its members, its view, the watch on them."""
         rdzv = self._link.rdzv
         if rdzv is not None:
-            view = self._link.view
-            rdzv.joined(view.gen)
             host_at = None
             try:
-                round_, peers = watch.round_view(
-                    rdzv.keys,
-                    rdzv.ranks,
-                    base_id=f"{view.gen}.{rdzv.round}",
+                round_, peers = rdzv.joined(
+                    self._link.view.gen,
                     my_address=None if self._link.advert is None else self._link.advert.address,
                     failover=self._settings.failover,
                 )

@@ -7,10 +7,8 @@ Beside torch's ``torch.rendezvous.<run id>*`` keys, the agents keep ``ddpjob.<ru
                           store is the job's (a name may lead to another pod's store)
 ``host``                  which node hosts this store
 ``alive``                 every node's liveness address, one list for the whole run
-``index.<ident>``         a node's pod index (a replacement has its predecessor's)
 ``left``                  nodes that left the run on SIGTERM
-``base``                  the members (ident -> pod index) a later round needs a majority of
-``gone.<base id>``        members of that base known gone (dead, left or handed over)
+``hub``                   where the store's host's hub listens (in a DDPJob pod)
 ``round.<N>.over``        why round N is over, as its members said (``reason@node``)
 ``round.<N>.silent``      members of round N a peer found silent
 ========================  ==============================================================
@@ -25,13 +23,11 @@ the agent, a dict in the unit tests).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from ddpjob_worker.failover import has_quorum
-from ddpjob_worker.nodes import NodeIdent, NodeRepr, ident
+from ddpjob_worker.nodes import NodeRepr, ident
 from ddpjob_worker.seal import Seal
 
 logger = logging.getLogger("ddpjob_worker.keys")
@@ -138,12 +134,10 @@ class RunKeys:
         """Say, as the store's host, that this store is the job's."""
         self._put(HOSTED, ident(self.me))
 
-    def publish(self, address: str, *, host: bool = False, index: int | None = None) -> None:
-        """Publish where our liveness socket listens and our pod index (again on every store:
-        a recovered store starts empty), and, from the store's host, which node it is."""
+    def publish(self, address: str, *, host: bool = False) -> None:
+        """Publish where our liveness socket listens (again on every store: a recovered store
+        starts empty), and, from the store's host, which node it is."""
         self._add("alive", [f"{self.me}={address}"])
-        if index is not None:
-            self._put(f"index.{ident(self.me)}", str(index))
         if host:
             self._put("host", self.me)
 
@@ -163,18 +157,6 @@ class RunKeys:
                 found[NodeRepr(node)] = address
         return found
 
-    def indexes(self, nodes: Iterable[NodeIdent]) -> dict[NodeIdent, int | None]:
-        """The pod index each node published (None: none)."""
-        names = list(nodes)
-        out: dict[NodeIdent, int | None] = dict.fromkeys(names)
-        found = self._read_many(f"index.{node}" for node in names)
-        for node in names:
-            try:
-                out[node] = int(found[f"index.{node}"])
-            except (KeyError, ValueError):
-                continue
-        return out
-
     def add_left(self) -> None:
         """Say that we leave the run (SIGTERM): never wait for us again."""
         self._add("left", [self.me])
@@ -182,57 +164,6 @@ class RunKeys:
     def left(self) -> set[NodeRepr]:
         """The nodes that left the run on SIGTERM."""
         return {NodeRepr(node) for node in self._items("left")}
-
-    # -- the majority ---------------------------------------------------------------------------
-
-    def record_base(self, base_id: str, members: dict[NodeIdent, int | None]) -> None:
-        """Record the members (-> pod index) a later round needs a majority of."""
-        self._put("base", json.dumps({"id": base_id, "members": members}))
-
-    def base(self) -> tuple[str, dict[NodeIdent, int | None]] | None:
-        """``(id, members)`` recorded by :meth:`record_base`, if any."""
-        raw = self._read("base")
-        if raw is None:
-            return None
-        try:
-            record = json.loads(raw)
-            members = {NodeIdent(str(node)): index for node, index in record["members"].items()}
-            return str(record["id"]), members
-        except (ValueError, KeyError, TypeError, AttributeError):
-            logger.warning("ignoring a malformed base record in the store")
-            return None
-
-    def confirm_gone(self, nodes: Iterable[NodeIdent], base_id: str | None = None) -> None:
-        """Name members of the base known to be gone (dead, left or handed over), so a majority
-        is counted among the others."""
-        names = sorted(nodes)
-        if not names:
-            return
-        if base_id is None:
-            base = self.base()
-            if base is None:
-                return
-            base_id = base[0]
-        self._add(f"gone.{base_id}", names)
-
-    def confirmed_gone(self, base_id: str) -> set[NodeIdent]:
-        """The members known gone: named for this base, or left the run."""
-        named = {NodeIdent(node) for node in self._items(f"gone.{base_id}")}
-        return {ident(node) for node in self.left()} | named
-
-    def quorum(self, participants: Iterable[NodeRepr]) -> bool:
-        """Whether ``participants`` hold a majority of the base
-        (:func:`ddpjob_worker.failover.has_quorum`); any do while no base is recorded."""
-        base = self.base()
-        if base is None:
-            return True
-        base_id, members = base
-        names = [ident(node) for node in participants]
-        gone = self.confirmed_gone(base_id)
-        if has_quorum(names, members, gone, self.indexes(names)):
-            return True
-        logger.debug("no majority of base %s %s (gone %s) in %s", base_id, members, gone, names)
-        return False
 
     # -- a round's end --------------------------------------------------------------------------
 

@@ -6,8 +6,11 @@ or waiting for it to resolve and answer, and the state file from the first momen
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -29,9 +32,10 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from ddpjob_worker import liveness, signals, warm
 from ddpjob_worker.agent import DdpjobAgent
-from ddpjob_worker.endpoint import Probe, wait_for_endpoint, wait_resolves_here
+from ddpjob_worker.endpoint import Probe, try_connect, wait_for_endpoint, wait_resolves_here
 from ddpjob_worker.errors import EndpointUnreachableError, WorkersStuckError
 from ddpjob_worker.failover import first_store
+from ddpjob_worker.hubrdzv import HubBackend, HubRendezvousHandler
 from ddpjob_worker.keys import HOSTED
 from ddpjob_worker.policy import (
     HOST_LINGER_SECONDS,
@@ -43,11 +47,11 @@ from ddpjob_worker.policy import (
 from ddpjob_worker.rendezvous import (
     is_jobs_store,
     seed_incarnation,
-    stop_heartbeats,
     store_params,
 )
 from ddpjob_worker.seal import Seal
 from ddpjob_worker.state import Phase, StateWriter
+from ddpjob_worker.storelink import retire
 from ddpjob_worker.workers import entrypoint_name
 
 logger = logging.getLogger("ddpjob_worker.launch")
@@ -89,10 +93,8 @@ def launch(
         **rdzv_configs,
     )
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    gen, hosting = 1, bool(settings.is_host)
-    if settings.failover and config.rdzv_backend == "c10d" and params.endpoint:
-        params, gen, hosting = _find_store(params, settings)
-    handler = _first_handler(params, settings, state, hosting=hosting)
+    start = _start(params, settings, state, local_addr=config.local_addr)
+    handler, params = start.handler, start.params
     signals.check()
     master_addr, master_port = None, None
     if config.rdzv_backend == "static":
@@ -122,8 +124,10 @@ def launch(
         state=state,
         heartbeat_seconds=heartbeat_seconds,
         early_spares=early_spares,
-        gen=gen,
-        hosting=hosting,
+        gen=start.gen,
+        hosting=start.hosting,
+        listener=start.listener,
+        backend=start.backend,
     )
     shutdown_rdzv = True
     succeeded = False
@@ -162,7 +166,58 @@ def launch(
                     HOST_LINGER_SECONDS,
                 )
                 time.sleep(HOST_LINGER_SECONDS)
-        stop_heartbeats(spec.rdzv_handler)
+        retire(spec.rdzv_handler)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """How the agent starts: its first handler, the store's parameters and generation, whether
+    it hosts the store, its liveness socket, and the hub backend (store failover on)."""
+
+    handler: RendezvousHandler
+    params: RendezvousParameters
+    gen: int
+    hosting: bool
+    listener: liveness.Listener | None
+    backend: HubBackend | None
+
+
+def _start(
+    params: RendezvousParameters,
+    settings: Settings,
+    state: StateWriter,
+    *,
+    local_addr: str | None,
+) -> _Start:
+    """The first handler: in a DDPJob pod (store failover on), the hub of the store the job's
+    pods name, or of pod 0's endpoint (ddpjob_worker.hub); elsewhere torch's own."""
+    incarnation = seed_incarnation()
+    listener = None
+    if params.backend == "c10d":
+        listener = liveness.listen(local_addr or socket.getfqdn(), settings.directory_port)
+    if not (settings.failover and params.backend == "c10d" and params.endpoint):
+        hosting = bool(settings.is_host)
+        handler = _first_handler(params, settings, state, hosting=hosting)
+        return _Start(handler, params, 1, hosting, listener, None)
+    backend = HubBackend(
+        seal=Seal.from_env(),
+        incarnation=incarnation,
+        liveness_address=None if listener is None else listener.address,
+        index=settings.pod_index,
+    )
+    params, gen, hosting = _find_store(params, settings)
+    if hosting:
+        make = functools.partial(backend.host, params, gen=gen)
+        return _Start(
+            _host_store(make, params.endpoint, settings, state),
+            params,
+            gen,
+            True,
+            listener,
+            backend,
+        )
+    hub, params, gen = _join_hub(params, settings, state, backend)
+    return _Start(hub, params, gen, False, listener, backend)
 
 
 def _find_store(
@@ -200,9 +255,20 @@ def _find_store(
         time.sleep(0.2)
 
 
-def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
-    """Every answer of the agents at ``peers`` (a name may resolve to many addresses)."""
+ASK_PEERS = 16
+"""How many of the job's pods a starting agent asks which store carries the job: a sample, so
+that a job of 1,024 pods starting at once asks 16 thousand questions, not a million. Any live
+member names the current store; pod 0's own address is always among them."""
+
+
+def _ask_peers(
+    peers: Sequence[str], sample: int = ASK_PEERS, rng: random.Random | None = None
+) -> list[dict[str, Any]]:
+    """The answers of up to ``sample`` of the agents at ``peers`` (a name may resolve to many
+    addresses: the headless Service's resolves to every pod's), always with the first
+    address each name resolves to."""
     addresses: dict[str, str] = {}
+    first: set[str] = set()
     for peer in peers:
         host, port = split_endpoint(peer, default_port=-1)
         try:
@@ -210,10 +276,17 @@ def _ask_peers(peers: Sequence[str]) -> list[dict[str, Any]]:
         except OSError as exc:
             logger.info("no address for %s yet: %s", peer, exc)
             continue
-        for info in infos:
+        for k, info in enumerate(infos):
             ip = str(info[4][0])
             shown = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
             addresses[shown] = shown
+            if k == 0:
+                first.add(shown)
+    if len(addresses) > sample:
+        rest = sorted(set(addresses) - first)
+        picker = rng or random.Random()  # noqa: S311 - a sample of peers, not a secret
+        chosen = first | set(picker.sample(rest, max(0, sample - len(first))))
+        addresses = {address: address for address in sorted(chosen)}
     answers = liveness.ask_all(addresses)
     return [dict(answer.info) for answer in answers.values() if answer.info is not None]
 
@@ -229,15 +302,15 @@ def _port_busy(exc: BaseException) -> bool:
 
 
 def _host_store(
-    params: RendezvousParameters, settings: Settings, state: StateWriter
+    make: Callable[[], RendezvousHandler], endpoint: str, settings: Settings, state: StateWriter
 ) -> RendezvousHandler:
-    """Host the store at ``params.endpoint``. torch's own client of the store connects to that
+    """Host the store at ``endpoint`` (``make()``). torch's own client of the store connects to that
     name, so first wait until it resolves to this pod (a new pod 0's DNS record follows it by
     a moment; CI saw a resumed job's pod 0 give up on it). Then, while the port is taken (the
     pod we replace may still hold it, terminating, on a hostNetwork node) or the store does not
     answer, try again with a back-off up to the join timeout, saying what we wait for."""
     deadline = time.monotonic() + settings.join_timeout
-    host, port = split_endpoint(params.endpoint)
+    host, port = split_endpoint(endpoint)
 
     def waiting(probe: Probe) -> None:
         if probe.attempts == 1:
@@ -253,13 +326,13 @@ def _host_store(
     while True:
         signals.check()
         try:
-            return rdzv_registry.get_rendezvous_handler(params)
+            return make()
         except RendezvousConnectionError as exc:
             busy = _port_busy(exc)
             if time.monotonic() >= deadline:
                 if busy:
                     raise EndpointUnreachableError(
-                        f"could not host the rendezvous store at {params.endpoint}: its port "
+                        f"could not host the rendezvous store at {endpoint}: its port "
                         f"stayed in use for the join timeout ({settings.join_timeout:g}s); "
                         "something else listens there (another job's store, on the same node "
                         "with hostNetwork?)"
@@ -271,7 +344,7 @@ def _host_store(
             logger.warning(
                 "could not host the rendezvous store at %s (%s): trying again in %.1fs, until "
                 "the join timeout",
-                params.endpoint,
+                endpoint,
                 "its port is in use: the pod we replace may still hold it" if busy else _cause(exc),
                 delay,
             )
@@ -286,13 +359,72 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _join_hub(
+    params: RendezvousParameters, settings: Settings, state: StateWriter, backend: HubBackend
+) -> tuple[HubRendezvousHandler, RendezvousParameters, int]:
+    """Reach the job's store and its hub before the join timeout: the one the job's pods name,
+    else the configured endpoint (pod 0's). Between tries the pods are asked again: a newcomer
+    that arrives while the others fail over (a scale-up, a replacement) finds the store they
+    move to, instead of waiting for pod 0's endpoint, whose pod is gone. ``(handler, params,
+    generation)``."""
+    deadline = time.monotonic() + settings.join_timeout
+    state.update(phase=Phase.WAITING)
+    target = params
+    while True:
+        signals.check()
+        host, port = split_endpoint(target.endpoint)
+        error = try_connect(host, port, JOIN_TRY_SECONDS)
+        if error is None:
+            try:
+                handler = backend.client(target)
+            except RendezvousConnectionError as exc:
+                logger.info("the store at %s does not answer yet: %s", target.endpoint, exc)
+            else:
+                if handler is not None:
+                    return handler, target, handler.gen
+                logger.warning(
+                    "the store at %s is not this job's (no sealed %r key): looking again",
+                    target.endpoint,
+                    HOSTED,
+                )
+        if time.monotonic() >= deadline:
+            raise EndpointUnreachableError(
+                f"rendezvous endpoint {target.endpoint} is unreachable, and no pod of the job "
+                f"named another store (join timeout {settings.join_timeout:g}s); last error: "
+                f"{error or 'the store did not answer'}. Check that the store host (pod 0) is "
+                "running and that its Service/DNS name is right."
+            )
+        time.sleep(JOIN_RETRY_SECONDS)
+        start = first_store(
+            _ask_peers(settings.peers),
+            run_id=params.run_id,
+            endpoint=params.endpoint,
+            hosting=False,
+            final=True,
+        )
+        named = start is not None and start.named
+        if named and start is not None and start.endpoint != target.endpoint:
+            logger.info(
+                "the job's pods name generation %d of its store at %s: joining it",
+                start.gen,
+                start.endpoint,
+            )
+        target = store_params(params, start.endpoint, is_host=False) if named and start else params
+
+
+JOIN_TRY_SECONDS = 1.0
+"""How long one try to reach a store's port may take, before the job's pods are asked again."""
+JOIN_RETRY_SECONDS = 0.5
+
+
 def _first_handler(
     params: RendezvousParameters, settings: Settings, state: StateWriter, *, hosting: bool
 ) -> RendezvousHandler:
-    """Wait for the endpoint (unless we host it), then create the rendezvous handler."""
-    seed_incarnation()
+    """Wait for the endpoint (unless we host it), then create torch's rendezvous handler."""
     if params.backend == "c10d" and hosting and params.endpoint:
-        return _host_store(params, settings, state)
+        return _host_store(
+            lambda: rdzv_registry.get_rendezvous_handler(params), params.endpoint, settings, state
+        )
     if params.backend != "c10d" or hosting or not params.endpoint:
         return rdzv_registry.get_rendezvous_handler(params)
     host, port = split_endpoint(params.endpoint)
@@ -300,6 +432,24 @@ def _first_handler(
         # No explicit host (plain torchrun usage, or --standalone): torch decides by hostname,
         # and we may be the one to host the store, so we must not wait for it.
         return rdzv_registry.get_rendezvous_handler(params)
+    seal = Seal.from_env()
+
+    def client() -> RendezvousHandler | None:
+        handler: RendezvousHandler = rdzv_registry.get_rendezvous_handler(params)
+        return handler if is_jobs_store(handler, seal) else None
+
+    return _reach_store(params, settings, state, client)
+
+
+def _reach_store(
+    params: RendezvousParameters,
+    settings: Settings,
+    state: StateWriter,
+    client: Callable[[], RendezvousHandler | None],
+) -> RendezvousHandler:
+    """Wait for the store at ``params.endpoint`` to resolve, accept and answer as the job's
+    (``client()`` is None when it is not), within the join timeout."""
+    host, port = split_endpoint(params.endpoint)
     deadline = time.monotonic() + settings.join_timeout
     state.update(phase=Phase.WAITING)
     while True:
@@ -313,7 +463,7 @@ def _first_handler(
                 "rendezvous endpoint %s:%d is up after %d tries", host, port, probe.attempts
             )
         try:
-            handler = rdzv_registry.get_rendezvous_handler(params)
+            handler = client()
         except RendezvousConnectionError as exc:
             if deadline - time.monotonic() <= 0:
                 raise EndpointUnreachableError(
@@ -322,7 +472,7 @@ def _first_handler(
                 ) from exc
             time.sleep(0.2)
             continue
-        if is_jobs_store(handler, Seal.from_env()):
+        if handler is not None:
             return handler
         if deadline - time.monotonic() <= 0:
             raise EndpointUnreachableError(

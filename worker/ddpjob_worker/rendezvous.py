@@ -10,9 +10,6 @@ handler and adds:
   ``min_nodes`` have joined, for more to come. After a failure the agent knows who comes (the
   last round's members, minus those gone) and says so (:meth:`RendezvousAdapter.expect`); the
   round completes as soon as they are all in (:func:`ddpjob_worker.failover.round_is_full`).
-* **A majority, when fenced.** With store failover on, a round completes only with a majority
-  of the last round's members (:meth:`ddpjob_worker.keys.RunKeys.quorum`), so two sides of a
-  partition never both train; while it waits, a hook may abandon the store for a newer one.
 * **The end of a round, announced.** An agent that restarts on its own evidence (its workers
   failed, a node waits to join) or leaves says so in the store; the others look every monitor
   tick (:meth:`RendezvousAdapter.round_over`) and restart at once, instead of when their own
@@ -29,7 +26,9 @@ handler and adds:
 
 Each is an optimisation over torch's behaviour, never a new failure: if the handler is not a
 dynamic one, or its internals are not where torch 2.13 keeps them, :meth:`RendezvousAdapter.attach`
-returns None and the agent runs on stock torch behaviour. The run's own keys are
+returns None and the agent runs on stock torch behaviour. This is the agent outside a DDPJob pod
+(plain ``ddpjob-agent`` with torchrun's flags, no store failover); in a DDPJob pod the store's
+host decides the rounds (:mod:`ddpjob_worker.hubrdzv`), fenced by a majority. The run's own keys are
 :class:`ddpjob_worker.keys.RunKeys`; this module is the torch side, and speaks of nodes as
 :data:`~ddpjob_worker.nodes.NodeRepr` at its interface.
 """
@@ -44,10 +43,15 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import (  # the exit barrier's key (wire format)
     _TERMINAL_STATE_SYNC_ID,
 )
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     _Action,
@@ -56,18 +60,26 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousContext,
     _RendezvousExitOp,
     _RendezvousJoinOp,
-    _should_keep_alive,
 )
 from torch.distributed.elastic.utils.store import (  # the barrier's check-in, torch's own
     _barrier_nonblocking,
 )
 
 from ddpjob_worker import signals, watch
+from ddpjob_worker.errors import StoreUnreachableError
 from ddpjob_worker.failover import round_is_full
-from ddpjob_worker.keys import END_DROPPED, END_LEAVE, HOSTED, RunKeys, key
+from ddpjob_worker.keys import (
+    END_DROPPED,
+    END_FAILURE,
+    END_LEAVE,
+    HOSTED,
+    RunKeys,
+    key,
+)
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import INCARNATION_SHIFT, NodeIdent, NodeRepr, ident
 from ddpjob_worker.seal import Seal, SealError
+from ddpjob_worker.watch import Look, RoundView, RoundWatch, round_view
 
 logger = logging.getLogger("ddpjob_worker.rendezvous")
 
@@ -128,12 +140,8 @@ class RendezvousAdapter:
         self._members: frozenset[NodeRepr] = frozenset()
         self._ranks: dict[NodeRepr, int] = {}
         self._round: int | None = None
-        self.fenced = False
-        """Rounds complete only with a majority of the last round's members (store failover is
-        on): see :func:`ddpjob_worker.failover.has_quorum`."""
         self.while_waiting: Callable[[], None] | None = None
-        """Called about once a second while a fenced join waits (for more nodes, or for a
-        majority); it may raise to abandon this store, as a host does that finds a newer one."""
+        """Unused: no failover without the hub (:class:`ddpjob_worker.watch.RoundControl`)."""
         handler._op_executor = _Executor(self, poll)
         if seal.on:  # before the first sync: every state read or written is sealed
             holder: Any = self._holder
@@ -184,21 +192,60 @@ class RendezvousAdapter:
     def round(self) -> int | None:
         return self._round
 
-    def joined(self, gen: int = 1) -> None:
-        """Note the round just joined (call right after ``next_rendezvous``); the lowest rank
-        records its members in the store as the base of the next round's majority."""
+    def note_round(self) -> None:
+        """Note the round just joined (call right after ``next_rendezvous``)."""
         state = self._holder.state
         self._ranks = {_repr(node): rank for node, rank in state.participants.items()}
         self._members = frozenset(self._ranks)
         self._round = state.round
         self.expected = None
-        if self.fenced and self._ranks.get(self.me) == 0:
-            base = self.keys.indexes(ident(node) for node in self._ranks)
-            self.keys.record_base(f"{gen}.{state.round}", base)
 
     def expect(self, nodes: Iterable[NodeIdent] | None) -> None:
         """The nodes the next round waits for before it completes (None: torch's last call)."""
         self.expected = None if nodes is None else frozenset(nodes)
+
+    def joined(
+        self, gen: int, *, my_address: str | None, failover: bool
+    ) -> tuple[RoundView, dict[NodeRepr, str]]:
+        """Note the round just joined, and read its view and the members to watch. Raises the
+        store's errors."""
+        self.note_round()
+        return round_view(
+            self.keys, self.ranks, base_id=f"{gen}.{self._round}", my_address=my_address
+        )
+
+    def publish(self, liveness: str | None, *, hosting: bool, index: int | None) -> None:
+        """Publish where our liveness socket answers (again on every store: a recovered store
+        starts empty); as the store's host, that the store is the job's."""
+        if hosting:
+            self.keys.mark_hosted()
+        if liveness is not None:
+            self.keys.publish(liveness, host=hosting)
+
+    def look(self, watch: RoundWatch, *, hosting: bool, limit: float) -> Look:
+        """One tick's look (:meth:`ddpjob_worker.watch.RoundWatch.look`): the store's waiting
+        nodes and the round's end, and the peers' answers."""
+        handler = self._handler
+
+        def read() -> tuple[int, frozenset[str]]:
+            try:
+                return handler.num_nodes_waiting(), self.round_over()
+            except (RendezvousConnectionError, DistNetworkError, DistStoreError) as exc:
+                # torch wraps store errors in RendezvousConnectionError; our own look does not
+                raise StoreUnreachableError(str(exc)) from exc
+
+        def drop(silent: frozenset[NodeRepr], gone: frozenset[NodeRepr]) -> None:
+            self.announce_silent(sorted(silent))
+            self.announce_end(END_FAILURE)
+            self.expire(self._members & (silent | gone))
+
+        return watch.look(read, drop, hosting=hosting, limit=limit)
+
+    def leave(self, timeout: float, *, hosting: bool) -> None:
+        """Leave the run without closing it (the store's host cannot: its store goes with
+        it)."""
+        if not hosting:
+            self._leave(timeout)
 
     # -- the round's end ----------------------------------------------------------------------
 
@@ -261,9 +308,6 @@ class RendezvousAdapter:
             gone = {node for node, verdict in health.items() if verdict is Health.GONE}
             out = gone | {node for node, verdict in health.items() if verdict is Health.SILENT}
             self.expire(out)
-            if self.fenced:
-                # Gone, not merely silent: out of the count a majority is taken of.
-                self.keys.confirm_gone(ident(node) for node in gone)
         except (RuntimeError, OSError) as exc:  # store trouble: torch's timings apply
             logger.warning("could not check which peers are alive: %s", exc)
             self.expect(None)
@@ -303,7 +347,7 @@ class RendezvousAdapter:
                     )
                     return
 
-    def leave(self, timeout: float) -> None:
+    def _leave(self, timeout: float) -> None:
         """Leave the run without closing it: say so in the ``left`` key, then remove ourselves
         from the round's participants (torch's exit op, within ``timeout``: one
         compare-and-set, normally milliseconds). Peers re-form without us at once."""
@@ -417,15 +461,12 @@ def _fresh_sync(holder: Any) -> None:
 
 
 class _Executor(_DistributedRendezvousOpExecutor):
-    """torch's executor; joins poll faster, complete once the expected nodes are in, and, when
-    fenced, only with a majority of the last round's members."""
+    """torch's executor; joins poll faster and complete once the expected nodes are in."""
 
     def __init__(self, adapter: RendezvousAdapter, poll: float) -> None:
         super().__init__(adapter._node, adapter._holder, adapter._settings)
         self._adapter = adapter
         self._poll = poll
-        self._vetoed_at = 0.0
-        self._asked_at = time.monotonic()
 
     def run(
         self,
@@ -445,18 +486,8 @@ class _Executor(_DistributedRendezvousOpExecutor):
                 action = join(ctx, deadline)
                 if action == _Action.SYNC and self._full(ctx.state):
                     action = _Action.MARK_RENDEZVOUS_COMPLETE
-                if action == _Action.MARK_RENDEZVOUS_COMPLETE and not self._may_complete(ctx):
-                    if _should_keep_alive(ctx):
-                        return _Action.KEEP_ALIVE
-                    action = _Action.SYNC
                 if action != _Action.SYNC:
                     return action
-                adapter = self._adapter
-                now = time.monotonic()
-                hook = adapter.while_waiting
-                if adapter.fenced and hook is not None and now - self._asked_at >= 1:
-                    self._asked_at = now
-                    hook()  # may raise to abandon this store (a newer one carries the job)
                 # torch would sleep 1 s here and sync again; we look every poll interval.
                 time.sleep(self._poll)
                 signals.check()
@@ -465,24 +496,6 @@ class _Executor(_DistributedRendezvousOpExecutor):
                 ctx = _RendezvousContext(self._node, self._state, self._settings)
 
         return handler
-
-    def _may_complete(self, ctx: _RendezvousContext) -> bool:
-        """The majority rule (:meth:`ddpjob_worker.keys.RunKeys.quorum`), when fenced."""
-        adapter = self._adapter
-        if not adapter.fenced:
-            return True
-        participants = [_repr(node) for node in ctx.state.participants]
-        if adapter.keys.quorum(participants):
-            return True
-        now = time.monotonic()
-        if now - self._vetoed_at >= 5.0:
-            self._vetoed_at = now
-            logger.info(
-                "round %d waits for a majority of the last round's members (has %s)",
-                ctx.state.round,
-                ", ".join(sorted(participants)),
-            )
-        return False
 
     def _full(self, state: _State) -> bool:
         if state.closed or state.complete or self._node not in state.participants:

@@ -37,6 +37,7 @@ from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError
 from ddpjob_worker.failover import StoreAnswer, StoreView, SupersededError
+from ddpjob_worker.hubrdzv import HubBackend, HubRendezvousHandler, stop_hub
 from ddpjob_worker.keys import HOSTED
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent, ident
@@ -49,11 +50,13 @@ from ddpjob_worker.rendezvous import (
 )
 from ddpjob_worker.seal import Seal
 from ddpjob_worker.state import Phase, StateWriter
-from ddpjob_worker.watch import RoundView
+from ddpjob_worker.watch import RoundControl, RoundView
 
 logger = logging.getLogger("ddpjob_worker.storelink")
 
 HOST_BIND_SECONDS = 10.0
+SUPERSEDED_LOOK_SECONDS = 3.0
+"""While we wait for a lost store to come back, how often we ask whether another supersedes it."""
 """How long hosting a new generation's store may take on one port."""
 _PendingLook = tuple["concurrent.futures.Future[StoreAnswer | None]", str | None]
 """A look for a newer store (:meth:`StoreLink._newer_store`) and the store it started from."""
@@ -73,10 +76,15 @@ class StoreLink:
         view: StoreView,
         use: Callable[[RendezvousHandler], None],
         last_round: Callable[[], RoundView | None],
+        listener: liveness.Listener | None,
+        backend: HubBackend | None = None,
     ) -> None:
         """``use(handler)`` makes torch's agent use a new handler; ``last_round()`` is the
-        round we joined last (for a failover, and to look for a newer store)."""
+        round we joined last (for a failover, and to look for a newer store); ``listener`` is
+        our liveness socket; ``backend`` makes hub handlers (store failover on), else torch's
+        c10d handlers are used."""
         self.params = params
+        self._backend = backend
         self.handler = handler
         self.view = view
         self._settings = settings
@@ -86,34 +94,26 @@ class StoreLink:
         self._last_round = last_round
         self._asker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: _PendingLook | None = None
-        self.advert: Advert | None = None
+        self.advert = Advert(listener, run_id=params.run_id, index=settings.pod_index, state=state)
         self.rdzv = self._attach(handler)
 
     # -- the store in use -------------------------------------------------------------------
 
-    def _attach(self, handler: RendezvousHandler) -> RendezvousAdapter | None:
-        """Our additions on ``handler``, and our liveness address published in its store (our
-        liveness socket is made on the first handler, at the node's rendezvous address)."""
-        rdzv = RendezvousAdapter.attach(handler, self._seal)
+    def _attach(self, handler: RendezvousHandler) -> RoundControl | None:
+        """Our additions on ``handler`` (a hub's handler is its own), and our liveness address
+        published in its store."""
+        rdzv: RoundControl | None
+        if isinstance(handler, HubRendezvousHandler):
+            rdzv = handler
+        else:
+            rdzv = RendezvousAdapter.attach(handler, self._seal)
         if rdzv is None:
             return None
-        rdzv.fenced = self._settings.failover
         rdzv.while_waiting = self.check_superseded
-        if self.advert is None:
-            listener = liveness.listen(rdzv.address, self._settings.directory_port)
-            self.advert = Advert(
-                listener,
-                run_id=self.params.run_id,
-                index=self._settings.pod_index,
-                state=self._state,
-            )
         try:
-            if self.view.hosting:
-                rdzv.keys.mark_hosted()
-            if self.advert.address is not None:
-                rdzv.keys.publish(
-                    self.advert.address, host=self.view.hosting, index=self._settings.pod_index
-                )
+            rdzv.publish(
+                self.advert.address, hosting=self.view.hosting, index=self._settings.pod_index
+            )
         except (RuntimeError, OSError) as exc:  # store trouble: peers use heartbeats
             logger.warning("could not publish our liveness address: %s", exc)
         self.advert.say(self.view)
@@ -121,8 +121,7 @@ class StoreLink:
 
     def _set(self, view: StoreView) -> None:
         self.view = view
-        if self.advert is not None:
-            self.advert.say(view)
+        self.advert.say(view)
 
     def round_formed(self, host_at: str | None) -> None:
         """A round completed on this store: it is established, and its host answers at
@@ -137,6 +136,7 @@ class StoreLink:
         self.view = StoreView(
             gen=view.gen, hosting=view.hosting, address=view.address, recoveries=recoveries
         )
+        retire(self.handler)
         self.handler = handler
         self._use(handler)
         self.rdzv = self._attach(handler)
@@ -153,23 +153,41 @@ class StoreLink:
         (:mod:`ddpjob_worker.failover`), or wait for the old one to come back, then use a fresh
         handler (the old TCPStore client is dead)."""
         self._state.update(phase=Phase.RECOVERING)
-        stop_heartbeats(self.handler)
-        if self.advert is not None:
-            self.advert.say(self.view, orphan=True)
+        retire(self.handler)
+        self.advert.say(self.view, orphan=True)
         if self._settings.failover and self._fail_over(deadline, host, passed_over):
             return
         where, port = split_endpoint(self.params.endpoint)
         logger.warning("waiting for the rendezvous store at %s:%d to come back", where, port)
-        handler = self.connect(
-            self.params,
-            deadline,
-            retry_after=0.2,
-            # Its kernel still accepts (frozen, or its machine half alive) but nobody answers:
-            # a client would wait on it forever. Wait for it to answer, or for the endpoint to
-            # name another host (its replacement).
-            hold=self._old_host_silent,
-            gone=f"the rendezvous store at {where}:{port} did not come back",
-        )
+        round_ = self._last_round()
+        while True:
+            # Between tries, ask the last round's members whether a store supersedes ours: the
+            # store we wait for may never come back (its host stepped down to an older
+            # generation that formed a round with a majority, and closed it).
+            look_until = min(deadline, time.monotonic() + SUPERSEDED_LOOK_SECONDS)
+            try:
+                handler = self.connect(
+                    self.params,
+                    look_until if self._settings.failover and round_ is not None else deadline,
+                    retry_after=0.2,
+                    # Its kernel still accepts (frozen, or its machine half alive) but nobody
+                    # answers: a client would wait on it forever. Wait for it to answer, or for
+                    # the endpoint to name another host (its replacement).
+                    hold=self._old_host_silent,
+                    gone=f"the rendezvous store at {where}:{port} did not come back",
+                )
+            except EndpointUnreachableError:
+                if time.monotonic() >= deadline or round_ is None:
+                    raise
+                found = self._newer_store(round_)
+                if found is not None:
+                    logger.warning(
+                        "generation %d at %s carries the job on: joining it", found.gen, found.store
+                    )
+                    self._join_newer(found, deadline)
+                    return
+                continue
+            break
         self._install(handler, self.view)
         logger.info("rejoining with a fresh rendezvous handler (recovery %d)", self.view.recoveries)
 
@@ -215,7 +233,7 @@ class StoreLink:
         if isinstance(outcome, failover.Host):
             self._host_new_generation(outcome.succession, round_)
         else:
-            self._join_newer(outcome.found, deadline, expect=outcome.expected)
+            self._join_newer(outcome.found, deadline)
         return True
 
     @staticmethod
@@ -227,19 +245,30 @@ class StoreLink:
         return Health.SILENT if answer.health is Health.UNKNOWN else answer.health
 
     def _host_new_generation(self, succession: failover.Succession, round_: RoundView) -> None:
-        """Host the store's next generation at our own address, carrying the last round's
-        members over as the base of its first round's majority."""
-        rdzv = self.rdzv
-        if rdzv is None:
+        """Host the store's next generation and its hub at our own address (on the configured
+        port if it is free, else on one the kernel picks), carrying the last round's members
+        over as the base of its first round's majority."""
+        rdzv, backend = self.rdzv, self._backend
+        if rdzv is None or backend is None:
             raise EndpointUnreachableError("no rendezvous of ours to host the store for")
         addr = rdzv.address
         _, configured = split_endpoint(self.params.endpoint)
-        handler: RendezvousHandler | None = None
+        base = dict(round_.base) or dict.fromkeys(succession.ranks)
+        gen = self.view.gen + 1
+        handler: HubRendezvousHandler | None = None
         for port in dict.fromkeys((configured, 0)):
             params = store_params(self.params, f"{addr}:{port}", is_host=True)
             try:
                 handler = call_bounded(
-                    functools.partial(rdzv_registry.get_rendezvous_handler, params),
+                    functools.partial(
+                        backend.host,
+                        params,
+                        gen=gen,
+                        base=base,
+                        base_id=round_.base_id,
+                        gone=succession.confirmed,
+                        expected=frozenset(base) - succession.excluded,
+                    ),
                     "host the rendezvous store",
                     limit=HOST_BIND_SECONDS,
                 )
@@ -248,29 +277,19 @@ class StoreLink:
                 logger.info("cannot host the store on port %d: %s", port, exc)
         if handler is None:
             raise EndpointUnreachableError("could not host the rendezvous store on any port")
-        port = int(getattr(getattr(handler, "_store", None), "port", 0) or configured)
-        endpoint = f"{addr}:{port}"
+        endpoint = f"{addr}:{handler.port}"
         self.params = store_params(self.params, endpoint, is_host=True)
-        gen = self.view.gen + 1
-        # Not named to anyone before the base is in it.
-        self._install(handler, StoreView(gen=gen, hosting=True, address=None))
-        new = self.rdzv
-        if new is not None:
-            base_id = round_.base_id
-            new.keys.record_base(base_id, dict(round_.base) or dict.fromkeys(succession.ranks))
-            new.keys.confirm_gone(succession.confirmed, base_id)
-            new.expect(succession.expected)
-        self._set(dataclasses.replace(self.view, address=endpoint))
+        self._install(handler, StoreView(gen=gen, hosting=True, address=endpoint))
         logger.warning("hosting the rendezvous store, generation %d, at %s", gen, endpoint)
 
     def join_newer(self, found: StoreAnswer, deadline: float) -> None:
         """Join a store another agent named (its generation is newer than ours), when ours is
         superseded."""
-        self._join_newer(found, deadline, expect=None)
+        self._join_newer(found, deadline)
 
-    def _join_newer(
-        self, found: StoreAnswer, deadline: float, expect: frozenset[NodeIdent] | None
-    ) -> None:
+    def _join_newer(self, found: StoreAnswer, deadline: float) -> None:
+        """Join the newer generation another survivor hosts (its hub waits for the survivors
+        itself)."""
         params = store_params(self.params, found.store, is_host=False)
         handler = self.connect(
             params,
@@ -280,8 +299,6 @@ class StoreLink:
         )
         self.params = params
         self._install(handler, StoreView(gen=found.gen, hosting=False, address=found.store))
-        if self.rdzv is not None and expect is not None:
-            self.rdzv.expect(expect)
         logger.info("joined the rendezvous store, generation %d, at %s", found.gen, found.store)
 
     def connect(
@@ -311,12 +328,12 @@ class StoreLink:
                 time.sleep(min(RECOVERY_PROBE_CAP_SECONDS, max(0.0, remaining)))
                 continue
             try:
-                handler: RendezvousHandler = call_bounded(
-                    functools.partial(rdzv_registry.get_rendezvous_handler, params),
+                handler = call_bounded(
+                    functools.partial(self._client, params),
                     "connect to the rendezvous store",
                     limit=self._settings.store_read_limit,
                 )
-                if is_jobs_store(handler, self._seal):
+                if handler is not None:
                     return handler
                 logger.warning(
                     "the store at %s is not this job's (no sealed %r key): its address is "
@@ -327,6 +344,14 @@ class StoreLink:
             except (RendezvousConnectionError, StoreSilentError) as exc:
                 logger.warning("store at %s not ready yet: %s", params.endpoint, exc)
             time.sleep(min(retry_after, max(0.0, deadline - time.monotonic())))
+
+    def _client(self, params: RendezvousParameters) -> RendezvousHandler | None:
+        """A client handler for the store at ``params.endpoint``: a hub's, or torch's c10d
+        one; None if the store there is not the job's."""
+        if self._backend is not None:
+            return self._backend.client(params)
+        handler: RendezvousHandler = rdzv_registry.get_rendezvous_handler(params)
+        return handler if is_jobs_store(handler, self._seal) else None
 
     def _old_host_silent(self, host: str, port: int) -> bool:
         """Whether the endpoint still leads to the store host we lost and that host is silent
@@ -394,3 +419,12 @@ class StoreLink:
         except Exception:  # a look must never take the join down
             logger.exception("could not look for a newer store")
             return None
+
+
+def retire(handler: RendezvousHandler) -> None:
+    """Let go of a handler we move away from: stop its keep-alive (torch's c10d handler),
+    disconnect its member and stop its hub (a hub's)."""
+    if isinstance(handler, HubRendezvousHandler):
+        stop_hub(handler)
+    else:
+        stop_heartbeats(handler)

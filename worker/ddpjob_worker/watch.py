@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ddpjob_worker import liveness
 from ddpjob_worker.bounded import call_bounded
@@ -134,6 +134,52 @@ def host_lost(
     if host in silent:
         return Health.SILENT
     return None
+
+
+class RoundControl(Protocol):
+    """What the agent and its store link do with the round: the rendezvous adapter of torch's
+    c10d handler (:class:`ddpjob_worker.rendezvous.RendezvousAdapter`) and the hub's handler
+    (:class:`ddpjob_worker.hubrdzv.HubRendezvousHandler`) both do it."""
+
+    while_waiting: Callable[[], None] | None
+    """Called about once a second while a join waits; may raise to abandon the store."""
+
+    @property
+    def address(self) -> str:
+        """This node's rendezvous address (the pod's)."""
+
+    @property
+    def me(self) -> NodeRepr: ...
+
+    @property
+    def members(self) -> frozenset[NodeRepr]:
+        """The members of the round joined last that this agent knows of."""
+
+    def publish(self, liveness: str | None, *, hosting: bool, index: int | None) -> None:
+        """Say in the store where our liveness socket answers (and, as its host, that the
+        store is the job's)."""
+
+    def look(self, watch: RoundWatch, *, hosting: bool, limit: float) -> Look:
+        """One monitor tick's look at the round."""
+
+    def announce_end(self, *reasons: str) -> None:
+        """On our evidence, end our round."""
+
+    def joined(
+        self, gen: int, *, my_address: str | None, failover: bool
+    ) -> tuple[RoundView, dict[NodeRepr, str]]:
+        """The round just joined, and the members this agent watches (-> liveness address)."""
+
+    def expect_survivors(self) -> None:
+        """Before rejoining: the next round waits for the last one's survivors."""
+
+    def member_gone(self) -> bool:
+        """Whether a member of our round is gone or silent."""
+
+    def leave(self, timeout: float, *, hosting: bool) -> None:
+        """Leave the run (SIGTERM); as the store's host, hand it over."""
+
+    def skip_join_jitter(self) -> None: ...
 
 
 class RoundWatch:
@@ -275,19 +321,13 @@ class RoundWatch:
 
 
 def round_view(
-    keys: RunKeys,
-    ranks: Mapping[NodeRepr, int],
-    *,
-    base_id: str,
-    my_address: str | None,
-    failover: bool,
+    keys: RunKeys, ranks: Mapping[NodeRepr, int], *, base_id: str, my_address: str | None
 ) -> tuple[RoundView, dict[NodeRepr, str]]:
     """The round just joined (its members' ``ranks``), read from the run's keys: the view, and
     the other members' liveness addresses. Raises the store's errors."""
     others = set(ranks) - {keys.me}
     addresses = keys.addresses(others)
     host = keys.host()
-    base = keys.indexes(ident(node) for node in ranks) if failover else {}
     known = {ident(node): address for node, address in addresses.items()}
     if my_address is not None:
         known[ident(keys.me)] = my_address
@@ -296,7 +336,7 @@ def round_view(
         base_id=base_id,
         ranks={ident(node): rank for node, rank in ranks.items()},
         addresses=known,
-        base=base,
+        base={},
         host=host,
         host_address=None if host is None else addresses.get(host),
     )
