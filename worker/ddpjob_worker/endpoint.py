@@ -61,27 +61,52 @@ def wait_for_endpoint(
     attempts and the time spent. ``join_timeout`` is the configured limit to name in the message
     when ``timeout`` is only what is left of it. ``cap`` is the longest pause between probes.
     """
+    return _poll(
+        lambda remaining: connect(host, port, max(0.05, min(2.0, remaining))),
+        timeout,
+        failure=lambda probe, spent: (
+            f"rendezvous endpoint {host}:{port} is unreachable: tried {probe.attempts} "
+            f"times over {spent:.1f}s (join timeout {join_timeout or timeout:g}s); "
+            f"last error: {probe.last_error}. Check that the store host (pod 0) is running "
+            f"and that its Service/DNS name is right."
+        ),
+        initial=0.05,
+        cap=cap,
+        clock=clock,
+        sleep=sleep,
+        on_retry=on_retry,
+    )
+
+
+def _poll(
+    attempt: Callable[[float], str | None],
+    timeout: float,
+    *,
+    failure: Callable[[Probe, float], str],
+    initial: float,
+    cap: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    on_retry: Callable[[Probe], None] | None,
+) -> Probe:
+    """Call ``attempt(seconds left)`` until it returns None (success) or ``timeout`` seconds
+    have passed, pausing with a capped back-off; then raise :class:`EndpointUnreachableError`
+    with ``failure(probe, seconds spent)``."""
     start = clock()
     deadline = start + timeout
     probe = Probe()
     while True:
-        remaining = deadline - clock()
-        error = connect(host, port, max(0.05, min(2.0, remaining)))
+        error = attempt(deadline - clock())
         probe.attempts += 1
         if error is None:
             return probe
         probe.last_error = error
         remaining = deadline - clock()
         if remaining <= 0:
-            raise EndpointUnreachableError(
-                f"rendezvous endpoint {host}:{port} is unreachable: tried {probe.attempts} "
-                f"times over {clock() - start:.1f}s (join timeout {join_timeout or timeout:g}s); "
-                f"last error: {probe.last_error}. Check that the store host (pod 0) is running "
-                f"and that its Service/DNS name is right."
-            )
+            raise EndpointUnreachableError(failure(probe, clock() - start))
         if on_retry is not None:
             on_retry(probe)
-        sleep(min(next_delay(probe.attempts - 1, cap=cap), remaining))
+        sleep(min(next_delay(probe.attempts - 1, initial=initial, cap=cap), remaining))
 
 
 Resolver = Callable[[str, int], list[str]]
@@ -140,23 +165,18 @@ def wait_resolves_here(
 ) -> Probe:
     """Block until ``host`` resolves to this machine, or raise :class:`EndpointUnreachableError`
     after ``timeout`` seconds naming the name and what it resolved to last."""
-    start = clock()
-    deadline = start + timeout
-    probe = Probe()
-    while True:
-        error = not_here(host, port, resolver=resolver, local=local)
-        probe.attempts += 1
-        if error is None:
-            return probe
-        probe.last_error = error
-        remaining = deadline - clock()
-        if remaining <= 0:
-            raise EndpointUnreachableError(
-                f"this agent hosts the rendezvous store at {host}:{port}, but that name did not "
-                f"resolve to this pod within {clock() - start:.1f}s (join timeout "
-                f"{join_timeout or timeout:g}s); last: {error}. The name must be pod 0's own "
-                "(its hostname and subdomain under the job's headless Service)."
-            )
-        if on_retry is not None:
-            on_retry(probe)
-        sleep(min(next_delay(probe.attempts - 1, initial=0.1, cap=1.0), remaining))
+    return _poll(
+        lambda _remaining: not_here(host, port, resolver=resolver, local=local),
+        timeout,
+        failure=lambda probe, spent: (
+            f"this agent hosts the rendezvous store at {host}:{port}, but that name did not "
+            f"resolve to this pod within {spent:.1f}s (join timeout "
+            f"{join_timeout or timeout:g}s); last: {probe.last_error}. The name must be pod 0's "
+            "own (its hostname and subdomain under the job's headless Service)."
+        ),
+        initial=0.1,
+        cap=1.0,
+        clock=clock,
+        sleep=sleep,
+        on_retry=on_retry,
+    )
