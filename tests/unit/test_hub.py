@@ -10,6 +10,7 @@ ends the running round; a host that hands over, or whose hub is gone, is lost to
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import uuid
 from collections.abc import Iterator
@@ -180,6 +181,7 @@ def test_members_lost_together_are_one_round_change(pods: list[Pod]) -> None:
     try:
         start(pods, 8, address)
         in_round(pods, 8)
+        before = pods[0].view.round
         for pod in pods[5:]:
             pod.freeze()
         survivors = pods[:5]  # still a majority of 8 (the silent ones count: a partition?)
@@ -187,6 +189,10 @@ def test_members_lost_together_are_one_round_change(pods: list[Pod]) -> None:
         in_round(survivors, 5)
         assert made.view.cuts == 1
         assert {pod.view.round.round for pod in survivors if pod.view.round} == {1}
+        # Each survivor learns that members departed (the refund rule's evidence), not who.
+        after = pods[0].view.round
+        assert after is not None and before is not None
+        assert (after.prev_id, after.left, after.departed(before)) == ("1.0", 3, True)
     finally:
         run_on_loop(made.stop())
 
@@ -264,10 +270,17 @@ def test_a_newcomer_ends_the_running_round(pods: list[Pod]) -> None:
     try:
         start(pods, 2, address)
         assert in_round(pods, 2) == 0
+        before = pods[0].view.round
         start(pods, 1, address, first=2)
         rejoin(pods[:2])
         assert pods[0].view.round is not None
         assert in_round(pods, 3) == 1
+        # Nobody left: a failure of this change would be charged. The newcomer's first round
+        # has nothing to compare with; one that was cut off and comes back sees a change.
+        grown = pods[0].view.round
+        assert grown is not None and grown.departed(before) is False
+        assert pods[2].view.round is not None and pods[2].view.round.departed(None) is None
+        assert grown.departed(dataclasses.replace(grown, base_id="1.7")) is True
     finally:
         run_on_loop(made.stop())
 

@@ -122,6 +122,19 @@ def test_a_charge_stands_when_the_same_members_come_back() -> None:
     assert ledger.remaining == 2
 
 
+def test_a_hubs_word_on_departures_decides_over_node_counts() -> None:
+    # A hub's round says whether a member departed, not who the members are: a pod killed and
+    # replaced at once gives a round of the same size, which is still a membership change.
+    ledger = RestartLedger(3)
+    ledger.round_formed(2, None, recovered=False)
+    ledger.charge()
+    assert ledger.round_formed(2, None, recovered=False, departed=True)
+    assert ledger.remaining == 3
+    ledger.charge()
+    assert not ledger.round_formed(2, None, recovered=False, departed=False)
+    assert ledger.remaining == 2
+
+
 def test_a_store_recovery_refunds_the_charge() -> None:
     ledger = RestartLedger(1)
     ledger.round_formed(2, M2, recovered=False)

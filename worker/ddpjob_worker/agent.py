@@ -55,7 +55,7 @@ from ddpjob_worker import liveness, signals, warm, watch, workers
 from ddpjob_worker.blame import Blame, FailureReport, Verdict, describe_failure
 from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.failover import StoreView, SupersededError
-from ddpjob_worker.hubrdzv import HubBackend
+from ddpjob_worker.hubrdzv import HubBackend, round_departed
 from ddpjob_worker.keys import END_FAILURE, END_JOIN
 from ddpjob_worker.ledger import RestartLedger
 from ddpjob_worker.liveness import Health
@@ -543,7 +543,8 @@ class DdpjobAgent(LocalElasticAgent):
             )
         previous = self._ledger.previous_nodes
         members = round_members(worker_group.spec.rdzv_handler)
-        if self._ledger.round_formed(new_nodes, members, recovered=recovered):
+        departed = round_departed(worker_group.spec.rdzv_handler)
+        if self._ledger.round_formed(new_nodes, members, recovered=recovered, departed=departed):
             logger.info(
                 "refunding the last restart: a membership change (nodes %s -> %s, store "
                 "recovered %s)",

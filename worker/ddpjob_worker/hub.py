@@ -491,6 +491,9 @@ class Hub:
                 self._send(session, {"t": "replaced", "gen": self.gen})
         base = {s.ident: s.index for s in ordered}
         base_id = f"{self.gen}.{self._round}"
+        # Whether a member of the last round is missing from this one, told to every member
+        # in two fields: a failure that followed a membership change is nobody's charge.
+        left = sum(1 for ident in self._base if ident not in self._participants)
         chain = [[s.ident, s.index, s.liveness] for s in ordered[:CHAIN]]
         world = len(ordered)
         for rank, session in enumerate(ordered):
@@ -501,6 +504,8 @@ class Hub:
                 "rank": rank,
                 "world": world,
                 "base_id": base_id,
+                "prev": self._base_id,
+                "left": left,
                 "chain": chain,
                 "host": None if self._host is None else list(self._host),
             }

@@ -87,6 +87,9 @@ class HubRendezvousHandler(RendezvousHandler):
         self.port = int(getattr(store, "port", 0) or 0)
         """The store's port (a new host's may be one the kernel picked)."""
         self.while_waiting: Callable[[], None] | None = None
+        self.departed: bool | None = None
+        """Whether a member of our last round is missing from the one just joined (None
+        before a second round): the refund rule's evidence, without every member's name."""
 
     # -- torch's interface ----------------------------------------------------------------------
 
@@ -140,6 +143,7 @@ class HubRendezvousHandler(RendezvousHandler):
         info = view.round
         assert info is not None
         self._info = info
+        self.departed = info.departed(previous)
         store = dist.PrefixStore(  # type: ignore[attr-defined]
             f"ddpjob.{self._params.run_id}.r{info.gen}.{info.round}/", self._store
         )
@@ -379,6 +383,12 @@ def stop_hub(handler: RendezvousHandler) -> None:
 
 def member_view(handler: RendezvousHandler) -> MemberView | None:
     return handler._member.view if isinstance(handler, HubRendezvousHandler) else None
+
+
+def round_departed(handler: RendezvousHandler) -> bool | None:
+    """For a hub's handler, whether a member of our last round is missing from the one just
+    joined; None for any other handler (it names the members: compare them)."""
+    return handler.departed if isinstance(handler, HubRendezvousHandler) else None
 
 
 def hub_lost(handler: RendezvousHandler) -> Health | None:

@@ -30,6 +30,7 @@ def is_membership_change(
     store_recovered: bool,
     previous_members: frozenset[str] | None = None,
     new_members: frozenset[str] | None = None,
+    departed: bool | None = None,
 ) -> bool:
     """The refund rule: was a provisionally charged restart really a membership change?
 
@@ -38,10 +39,13 @@ def is_membership_change(
     replaced by a new agent, as the operator does within seconds), the charge is refunded.
     Losing and rejoining the store host is a membership change too. When the rendezvous does
     not tell who its members are, a smaller round counts as a peer having left. A round with
-    the same members means a worker really failed, and the charge stands.
+    the same members means a worker really failed, and the charge stands. A hub's round does
+    not name its members to each of them: it says whether one ``departed``, which decides.
     """
     if store_recovered:
         return True
+    if departed is not None:
+        return departed
     if previous_members is not None and new_members is not None:
         return bool(previous_members - new_members)
     return previous_nodes is not None and new_nodes < previous_nodes
@@ -135,9 +139,17 @@ class RestartLedger:
     def disable(self) -> None:
         self.disabled = True
 
-    def round_formed(self, nodes: int, members: frozenset[str] | None, *, recovered: bool) -> bool:
+    def round_formed(
+        self,
+        nodes: int,
+        members: frozenset[str] | None,
+        *,
+        recovered: bool,
+        departed: bool | None = None,
+    ) -> bool:
         """Record the round just formed (``nodes`` nodes; its ``members`` if the rendezvous
-        says). Returns whether the last charge was refunded (it was a membership change)."""
+        says, or whether a member ``departed`` if it says that). Returns whether the last
+        charge was refunded (it was a membership change)."""
         refunded = False
         if self._refundable and is_membership_change(
             previous_nodes=None if self._previous is None else self._previous[0],
@@ -145,6 +157,7 @@ class RestartLedger:
             store_recovered=recovered,
             previous_members=None if self._previous is None else self._previous[1],
             new_members=members,
+            departed=departed,
         ):
             self.budget = self.budget.refund()
             refunded = True

@@ -57,6 +57,18 @@ class RoundInfo:
     """Every member (-> pod index), for the first ranks: the next majority's base."""
     host: tuple[NodeIdent, str | None] | None = None
     """The hub's own agent (ident, liveness address)."""
+    prev_id: str | None = None
+    """The round before this one, as the hub saw it (None: this is its first)."""
+    left: int = 0
+    """Members of that round missing from this one."""
+
+    def departed(self, mine: RoundInfo | None) -> bool | None:
+        """Whether a member of ``mine`` (the round this member was last in) is missing from
+        this one: the hub says how many of its previous round left; if ours was not that
+        round, we were cut off ourselves, which is a change too. None for a first round."""
+        if mine is None:
+            return None
+        return self.left > 0 or self.prev_id != mine.base_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +320,8 @@ class Member:
                     else None
                 ),
                 host=_host(message.get("host")),
+                prev_id=None if message.get("prev") is None else str(message["prev"]),
+                left=int(message.get("left", 0)),
             )
             self._joining = False
             self.history.rounds += 1

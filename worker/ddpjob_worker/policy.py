@@ -2,13 +2,12 @@
 
 * :func:`backoff_delays` / :func:`next_delay`: how long to wait between endpoint probes.
 * :func:`decide`: what to do after one look at the workers (the monitor loop's only branch).
-* :func:`is_membership_change`: the refund rule for provisionally charged restarts.
 * :func:`resolve_settings`: read our settings from torchrun's parsed ``--rdzv-conf`` and the env.
-* :func:`is_root_cause` (with :func:`format_report` / :func:`parse_reports`): which node's failure
-  started a round's collapse, so that only that node is charged.
+* :func:`split_endpoint` / :func:`static_master`: torchrun's endpoint forms.
 * :func:`exit_code_for_worker`: the agent's exit code after its first failed worker.
-* :func:`round_is_full`: when a rendezvous round may skip torch's last call (the expected nodes
-  are all in).
+
+The refund rule is in :mod:`ddpjob_worker.ledger`, failure blame in :mod:`ddpjob_worker.blame`,
+the fencing rules in :mod:`ddpjob_worker.failover`.
 """
 
 from __future__ import annotations
