@@ -290,15 +290,14 @@ class HollowWorkers:
     def _rendezvous(self, worker_group: Any) -> None:
         super()._rendezvous(worker_group)  # type: ignore[misc]
         handler = worker_group.spec.rdzv_handler
-        state = getattr(getattr(handler, "_state_holder", None), "state", None)
-        torch_round = getattr(state, "round", -1)
-        gen = getattr(getattr(self, "_link", None), "view", None)
-        emit(
-            ev="round",
-            i=self._hollow_index,
-            round=f"{getattr(gen, 'gen', 1)}.{torch_round}",
-            world=worker_group.group_world_size,
-        )
+        info = getattr(handler, "_info", None)  # a hub's round
+        if info is not None:
+            label = f"{info.gen}.{info.round}"
+        else:  # torch's c10d rendezvous (ours outside a pod, or stock torch)
+            state = getattr(getattr(handler, "_state_holder", None), "state", None)
+            gen = getattr(getattr(self, "_link", None), "view", None)
+            label = f"{getattr(gen, 'gen', 1)}.{getattr(state, 'round', -1)}"
+        emit(ev="round", i=self._hollow_index, round=label, world=worker_group.group_world_size)
 
 
 # -- a job of hollow processes (the driver's side) -----------------------------------------------
