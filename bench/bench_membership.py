@@ -79,6 +79,8 @@ def box_busy() -> tuple[float, float]:
 
 
 def steady(job: Job, seconds: float) -> dict[str, float]:
+    members = list(range(job.n))
+    since, rounds0 = time.time(), job.rounds_after(members, 0.0)
     tcp0, box0 = tcp_counters(job.host.pid), box_busy()
     cpu0 = {proc.pid: cpu_seconds(proc.pid) for proc in job.procs}
     lag = Lagging()
@@ -96,6 +98,8 @@ def steady(job: Job, seconds: float) -> dict[str, float]:
         "agents_cpu_cores": everyone,
         "box_cpu_busy": (box1[0] - box0[0]) / max(1, box1[1] - box0[1]),
         "driver_lag_p99_ms": lag.p99() * 1000,
+        # Nothing happened: a round change here is a bug (the figures above then include it).
+        "steady_round_changes": len(job.rounds_after(members, since) - rounds0),
     }
 
 
@@ -281,6 +285,7 @@ COLUMNS = (
     ("first round s", "first_round_s"),
     ("recovery s", "recovery_s"),
     ("round changes", "round_changes"),
+    ("steady round changes", "steady_round_changes"),
     ("segments/agent/s", "segments_per_agent_s"),
     ("connects/agent/min", "connects_per_agent_min"),
     ("host CPU", "host_cpu_cores"),

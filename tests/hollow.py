@@ -128,13 +128,20 @@ class Collectives:
     process, on one selector thread: each worker of a round holds one TCP connection to the
     next rank's worker (a ring, as gloo's allreduce has), so a worker whose peer's process dies,
     or whose peer is stopped by its agent, sees the connection close and fails, and its agent
-    restarts; a frozen or cut-off peer leaves it waiting, as gloo does until its timeout."""
+    restarts; a frozen or cut-off peer leaves it waiting, as gloo does until its timeout.
+
+    Each connection belongs to a round (its first line names it), as gloo's belong to one
+    process group: a worker that starts in a new round drops its connections of older ones, and
+    a connection of an older round that closes breaks nothing. (Without that, a worker whose
+    predecessor connected first closed the new connection as it started: every round broke.)"""
 
     def __init__(self) -> None:
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._failed: dict[int, bool] = {}
-        self._socks: dict[int, list[socket.socket]] = {}
+        self._round: dict[int, tuple[int, int]] = {}
+        self._socks: dict[int, dict[socket.socket, tuple[int, int] | None]] = {}
+        """Each worker's connections, with their round (None: an accepted one not named yet)."""
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", -1))
         threading.Thread(target=self._run, name="hollow-collectives", daemon=True).start()
@@ -149,24 +156,27 @@ class Collectives:
             self._selector.register(sock, selectors.EVENT_READ, ("listen", index))
         self._wake_w.send(b"x")
 
-    def start(self, index: int, successor: tuple[str, int] | None, token: str) -> None:
-        """Worker ``index`` of a new round: connect to the next rank's worker (none in a round
-        of one)."""
-        self.stop(index)
+    def start(self, index: int, successor: tuple[str, int] | None, round_: tuple[int, int]) -> None:
+        """Worker ``index`` in round ``round_``: drop the connections of older rounds, connect
+        to the next rank's worker (none in a round of one)."""
         with self._lock:
+            self._round[index] = round_
             self._failed[index] = False
+            for sock, of in list(self._socks.get(index, {}).items()):
+                if of is not None and of < round_:
+                    self._drop(index, sock)
         if successor is None:
             return
         try:
             sock = socket.create_connection(successor, timeout=5)
-            sock.sendall(token.encode() + b"\n")
+            sock.sendall(f"{round_[0]}.{round_[1]}\n".encode())
         except OSError:
             with self._lock:
                 self._failed[index] = True
             return
         sock.setblocking(False)
         with self._lock:
-            self._socks.setdefault(index, []).append(sock)
+            self._socks.setdefault(index, {})[sock] = round_
             self._selector.register(sock, selectors.EVENT_READ, ("peer", index))
         self._wake_w.send(b"x")
 
@@ -177,12 +187,21 @@ class Collectives:
     def stop(self, index: int) -> None:
         """Worker ``index`` stops: its connections close (its peers' collectives break)."""
         with self._lock:
-            socks = self._socks.pop(index, [])
-            for sock in socks:
-                with contextlib.suppress(KeyError, ValueError):
-                    self._selector.unregister(sock)
-                sock.close()
+            for sock in list(self._socks.get(index, {})):
+                self._drop(index, sock)
             self._failed.pop(index, None)
+            self._round.pop(index, None)
+
+    def _drop(self, index: int, sock: socket.socket) -> None:
+        self._socks.get(index, {}).pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
+        sock.close()
+
+    def _current(self, index: int, of: tuple[int, int] | None) -> bool:
+        """Whether a connection of round ``of`` matters to worker ``index`` now."""
+        mine = self._round.get(index)
+        return mine is not None and (of is None or of >= mine)
 
     def _run(self) -> None:
         while True:
@@ -197,7 +216,7 @@ class Collectives:
                         conn, _ = sock.accept()
                         conn.setblocking(False)
                         with self._lock:
-                            self._socks.setdefault(index, []).append(conn)
+                            self._socks.setdefault(index, {})[conn] = None
                             self._selector.register(conn, selectors.EVENT_READ, ("peer", index))
                 else:
                     try:
@@ -206,13 +225,19 @@ class Collectives:
                         continue
                     except OSError:
                         data = b""
-                    if not data:  # the peer's worker is gone
-                        with self._lock:
-                            with contextlib.suppress(KeyError, ValueError):
-                                self._selector.unregister(sock)
-                            sock.close()
-                            if index in self._failed:
+                    with self._lock:
+                        of = self._socks.get(index, {}).get(sock)
+                        if data and of is None:  # an accepted connection names its round
+                            gen, _, number = data.decode().strip().partition(".")
+                            of = (int(gen), int(number))
+                            self._socks[index][sock] = of
+                            mine = self._round.get(index)
+                            if mine is not None and of < mine:  # a peer still in an old round
+                                self._drop(index, sock)
+                        elif not data:  # the peer's worker is gone
+                            if self._current(index, of) and index in self._failed:
                                 self._failed[index] = True
+                            self._drop(index, sock)
 
 
 _COLLECTIVES: list[Collectives] = []
@@ -245,6 +270,8 @@ class HollowWorkers:
     _hollow_index = -1
     _hollow_addr = ""
     _hollow_port = 0
+    _hollow_round = (0, 0)
+    """The round joined last (generation, round)."""
 
     def _start_workers(self, worker_group: Any) -> dict[int, Any]:
         store, rank, world = (
@@ -260,7 +287,7 @@ class HollowWorkers:
                 bytes(store.get(f"hollow/{(rank + 1) % world}")).decode().rpartition(":")
             )
             successor = (host, int(port))
-        collectives().start(self._hollow_index, successor, token=f"{rank}")
+        collectives().start(self._hollow_index, successor, self._hollow_round)
         return {worker.local_rank: -1 - worker.local_rank for worker in worker_group.workers}
 
     def _monitor_workers(self, worker_group: Any) -> Any:
@@ -292,12 +319,17 @@ class HollowWorkers:
         handler = worker_group.spec.rdzv_handler
         info = getattr(handler, "_info", None)  # a hub's round
         if info is not None:
-            label = f"{info.gen}.{info.round}"
+            self._hollow_round = (info.gen, info.round)
         else:  # torch's c10d rendezvous (ours outside a pod, or stock torch)
             state = getattr(getattr(handler, "_state_holder", None), "state", None)
             gen = getattr(getattr(self, "_link", None), "view", None)
-            label = f"{getattr(gen, 'gen', 1)}.{getattr(state, 'round', -1)}"
-        emit(ev="round", i=self._hollow_index, round=label, world=worker_group.group_world_size)
+            self._hollow_round = (getattr(gen, "gen", 1), getattr(state, "round", -1))
+        emit(
+            ev="round",
+            i=self._hollow_index,
+            round="{}.{}".format(*self._hollow_round),
+            world=worker_group.group_world_size,
+        )
 
 
 # -- a job of hollow processes (the driver's side) -----------------------------------------------
