@@ -324,3 +324,30 @@ def test_an_agent_at_a_dead_members_address_and_pid_is_another_member() -> None:
     ]
     incarnations = [int(run.stdout) for run in runs]
     assert all(i > 0 for i in incarnations) and incarnations[0] != incarnations[1], incarnations
+
+
+def test_a_starting_agent_asks_a_sample_of_the_pods_pod_0_among_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ``ddpjob run`` (and the hollow bench) names one address per pod: every one of 256
+    # agents asking all 256 made the first round of 256 take 25 s here. A sample is asked.
+    import random  # noqa: PLC0415
+
+    from ddpjob_worker import launch  # noqa: PLC0415
+
+    asked: list[set[str]] = []
+
+    def ask_all(addresses: dict[str, str], timeout: float = 0.0) -> dict[str, liveness.Answer]:
+        asked.append(set(addresses.values()))
+        return {}
+
+    monkeypatch.setattr(liveness, "ask_all", ask_all)
+    peers = [f"127.0.0.1:{40000 + i}" for i in range(256)]
+    launch._ask_peers(peers, rng=random.Random(1))
+    launch._ask_peers(peers, rng=random.Random(2))
+    assert [len(one) for one in asked] == [launch.ASK_PEERS] * 2
+    assert all("127.0.0.1:40000" in one for one in asked), "pod 0 is always asked"
+    assert asked[0] != asked[1], "the others are a random sample"
+    asked.clear()
+    launch._ask_peers(peers[:10])
+    assert asked == [set(peers[:10])], "a small job asks everyone"

@@ -258,17 +258,17 @@ def _find_store(
 ASK_PEERS = 16
 """How many of the job's pods a starting agent asks which store carries the job: a sample, so
 that a job of 1,024 pods starting at once asks 16 thousand questions, not a million. Any live
-member names the current store; pod 0's own address is always among them."""
+member names the current store."""
 
 
 def _ask_peers(
     peers: Sequence[str], sample: int = ASK_PEERS, rng: random.Random | None = None
 ) -> list[dict[str, Any]]:
-    """The answers of up to ``sample`` of the agents at ``peers`` (a name may resolve to many
-    addresses: the headless Service's resolves to every pod's), always with the first
-    address each name resolves to."""
-    addresses: dict[str, str] = {}
-    first: set[str] = set()
+    """The answers of up to ``sample`` of the agents at ``peers``: a pod's peers are one name
+    (the headless Service's, which resolves to every pod), ``ddpjob run``'s one address per
+    pod, pod 0's first. The first address of the first name is always asked (under ``ddpjob
+    run``, pod 0's), the rest are a random sample of every address the names resolve to."""
+    addresses: dict[str, None] = {}
     for peer in peers:
         host, port = split_endpoint(peer, default_port=-1)
         try:
@@ -276,18 +276,15 @@ def _ask_peers(
         except OSError as exc:
             logger.info("no address for %s yet: %s", peer, exc)
             continue
-        for k, info in enumerate(infos):
+        for info in infos:
             ip = str(info[4][0])
-            shown = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-            addresses[shown] = shown
-            if k == 0:
-                first.add(shown)
-    if len(addresses) > sample:
-        rest = sorted(set(addresses) - first)
+            addresses[f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"] = None
+    chosen = list(addresses)
+    if len(chosen) > sample:
+        head, rest = chosen[0], chosen[1:]
         picker = rng or random.Random()  # noqa: S311 - a sample of peers, not a secret
-        chosen = first | set(picker.sample(rest, max(0, sample - len(first))))
-        addresses = {address: address for address in sorted(chosen)}
-    answers = liveness.ask_all(addresses)
+        chosen = [head, *picker.sample(rest, max(0, sample - 1))]
+    answers = liveness.ask_all({address: address for address in chosen})
     return [dict(answer.info) for answer in answers.values() if answer.info is not None]
 
 
