@@ -147,6 +147,10 @@ class Hub:
         self._participants: dict[NodeIdent, int] = {}
         self._joined: dict[NodeIdent, _Session] = {}
         """The members that asked to be in the round being formed."""
+        self._by_index: dict[int, NodeIdent] = {}
+        """Which of them holds each pod index (one per index: :meth:`_admit`)."""
+        self._holders = _holders(self._base)
+        """The last round's member of each pod index."""
         self._missing: set[NodeIdent] = set(self._expected or ())
         """The expected members not in it yet."""
         self._ack_line: bytes | None = None
@@ -283,9 +287,8 @@ class Hub:
             # own), or a newcomer (torch's "nodes waiting"): the running round is over.
             newcomer = session.ident not in self._participants
             self._end(frozenset({"join" if newcomer else "failure"}), cut=())
-        self._joined[session.ident] = session
-        self._missing.discard(session.ident)
-        self._maybe_complete()
+        if self._admit(session):
+            self._maybe_complete()
 
     def _leave(self, session: _Session, *, handover: bool) -> None:
         session.left = True
@@ -305,7 +308,7 @@ class Hub:
 
     def _closed_session(self, session: _Session) -> None:
         session.closed = True
-        self._joined.pop(session.ident, None)  # it joins again once reconnected
+        self._unjoin(session.ident)  # it joins again once reconnected
         if session.left:
             del self._sessions[session.ident]
             return
@@ -350,7 +353,7 @@ class Hub:
     def _drop_from_forming(self, idents: set[NodeIdent]) -> None:
         """Members that will not be in the round being formed (cut, or left)."""
         for ident in idents:
-            self._joined.pop(ident, None)
+            self._unjoin(ident)
             self._missing.discard(ident)
         if self._expected is not None:
             self._expected = self._expected - idents
@@ -376,7 +379,7 @@ class Hub:
         self._call_at = None
         self._expected = frozenset(self._participants) - cut
         self._missing = set(self._expected)
-        self._joined = {}
+        self._joined, self._by_index = {}, {}
         logger.info(
             "round %d.%d is over (%s%s): forming round %d",
             self.gen,
@@ -389,7 +392,6 @@ class Hub:
     def _maybe_complete(self) -> None:
         if not self._forming or self._closed:
             return
-        self._one_pod_per_index()
         count = len(self._joined)
         now = self._clock()
         if count >= self._min and self._call_at is None:
@@ -420,37 +422,42 @@ class Hub:
             return
         self._complete(joined[: self._max] if count > self._max else joined)
 
-    def _one_pod_per_index(self) -> None:
-        """At most one agent per pod index in a round: the operator makes pod *i* again only
-        once the old pod object is gone, so of two agents of one index one belongs to a pod
-        that no longer exists.
+    def _admit(self, session: _Session) -> bool:
+        """Add ``session`` to the round being formed, at most one agent per pod index: the
+        operator makes pod *i* again only once the old pod object is gone, so of two agents of
+        one index one belongs to a pod that no longer exists. Whether it was added.
 
         * One that was a member before, is not in the last round (it was cut off) and whose
           index a member of the last round holds (its replacement) is told it was replaced,
           whether that replacement has asked to join yet or not: it stops without training.
         * Of two that both asked, an agent never given a round (the replacement of a pod
           whose object was deleted) goes before the last round's holder of the index, which
-          :meth:`_complete` then tells it was replaced; otherwise the first to ask stays."""
-        holders = {index: ident for ident, index in self._base.items() if index is not None}
-        kept: dict[int, _Session] = {}
-        for session in list(self._joined.values()):
-            index = session.index
-            if index is None:
-                continue
-            holder = holders.get(index)
+          :meth:`_complete` then tells it was replaced; otherwise the first to ask stays.
+
+        One look per join (a map of the indexes), not a pass over every member."""
+        index = session.index
+        if index is not None:
+            holder = self._holders.get(index)
             if self._claim(session) == 0 and holder is not None and holder != session.ident:
                 self._drop_replaced(session, by=holder)
-                continue
-            other = kept.get(index)
-            if other is None:
-                kept[index] = session
-            elif self._claim(session) > self._claim(other):
-                kept[index] = session
-                self._joined.pop(other.ident, None)
+                return False
+            other = self._joined.get(self._by_index.get(index, session.ident))
+            if other is not None and other is not session:
+                if self._claim(session) <= self._claim(other):
+                    self._missing.discard(session.ident)  # waits: the first to ask stays
+                    return False
+                self._unjoin(other.ident)
                 self._missing.discard(other.ident)
-            else:
-                self._joined.pop(session.ident, None)
-                self._missing.discard(session.ident)
+            self._by_index[index] = session.ident
+        self._joined[session.ident] = session
+        self._missing.discard(session.ident)
+        return True
+
+    def _unjoin(self, ident: NodeIdent) -> None:
+        session = self._joined.pop(ident, None)
+        index = None if session is None else session.index
+        if index is not None and self._by_index.get(index) == ident:
+            del self._by_index[index]
 
     def _drop_replaced(self, session: _Session, *, by: NodeIdent) -> None:
         logger.warning(
@@ -459,7 +466,7 @@ class Hub:
             by,
             session.index,
         )
-        self._joined.pop(session.ident, None)
+        self._unjoin(session.ident)
         self._missing.discard(session.ident)
         self._replaced.add(session.ident)
         self._send(session, {"t": "replaced", "gen": self.gen})
@@ -513,10 +520,11 @@ class Hub:
                 message["base"] = base
             self._send(session, message)
         self._base, self._base_id, self._gone = base, base_id, set()
+        self._holders = _holders(base)
         self._forming = False
         self._expected = None
         self._missing = set()
-        self._joined = {}
+        self._joined, self._by_index = {}, {}
         self._call_at = None
         logger.info("round %s formed with %d members", base_id, world)
 
@@ -650,3 +658,8 @@ class Hub:
             connected=frozenset(s.ident for s in self._sessions.values() if not s.closed),
             cuts=self._cuts,
         )
+
+
+def _holders(base: Mapping[NodeIdent, int | None]) -> dict[int, NodeIdent]:
+    """Each pod index's member in a round's ``base``."""
+    return {index: ident for ident, index in base.items() if index is not None}
