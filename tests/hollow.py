@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -262,6 +263,20 @@ def collectives() -> Collectives:
     return _COLLECTIVES[0]
 
 
+@functools.cache
+def _torch_results() -> tuple[Any, Any, Any]:
+    """torch's ``RunResult``, ``WorkerState`` and ``ProcessFailure``."""
+    from torch.distributed.elastic.agent.server.api import (  # noqa: PLC0415
+        RunResult,
+        WorkerState,
+    )
+    from torch.distributed.elastic.multiprocessing.errors import (  # noqa: PLC0415
+        ProcessFailure,
+    )
+
+    return RunResult, WorkerState, ProcessFailure
+
+
 class HollowWorkers:
     """Workers that are not processes (see :class:`Collectives`): healthy from their start
     until a peer of their ring goes away or the agent stops them. Mixed into an agent class
@@ -291,14 +306,9 @@ class HollowWorkers:
         return {worker.local_rank: -1 - worker.local_rank for worker in worker_group.workers}
 
     def _monitor_workers(self, worker_group: Any) -> Any:
-        from torch.distributed.elastic.agent.server.api import (  # noqa: PLC0415
-            RunResult,
-            WorkerState,
-        )
-        from torch.distributed.elastic.multiprocessing.errors import (  # noqa: PLC0415
-            ProcessFailure,
-        )
-
+        # Looked up once: an import statement on every tick of every agent was a third of the
+        # hollow process's CPU, which a pod's agent does not spend.
+        RunResult, WorkerState, ProcessFailure = _torch_results()  # noqa: N806
         if collectives().failed(self._hollow_index):
             # What a gloo worker whose peer went away writes: a communication error.
             failure = ProcessFailure(local_rank=0, pid=-1, exitcode=1, error_file=error_file())
@@ -414,6 +424,9 @@ class Job:
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]),
+            # torch's per-agent log directories (torchelastic_*) and the stand-in error files
+            # go with the job's logs, not thousands to the machine's temporary directory.
+            "TMPDIR": str(log_dir),
         }
         self.started = time.time()
         for k, group in enumerate(groups):
@@ -622,10 +635,24 @@ def run_agent(
         done(agent.index, None)
 
 
+def _method_name(depth: int = 2) -> str:
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
+
+
 def serve(spec: Spec) -> None:
     os.environ["DDPJOB_STORE_KEY"] = spec.key
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401, PLC0415
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic  # noqa: PLC0415
+
+    # torch's c10d rendezvous names the caller of every operation it records with
+    # inspect.stack(), twice, which reads the source of every frame: milliseconds per operation.
+    # A pod's agent pays that on a core of its own; 64 agents sharing one interpreter would pay
+    # it one after the other, and stock torch never formed a round of 64 here. The same name,
+    # from the frame itself (the anchor's logic is untouched).
+    dynamic.get_method_name = _method_name
 
     from ddpjob_worker.rendezvous import seed_incarnation  # noqa: PLC0415
 
