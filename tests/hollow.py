@@ -644,7 +644,9 @@ def _method_name(depth: int = 2) -> str:
 
 def serve(spec: Spec) -> None:
     os.environ["DDPJOB_STORE_KEY"] = spec.key
+    # The pod env's torch switches (contract.agent_env), which torch reads from the process.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic  # noqa: PLC0415
 
     # torch's c10d rendezvous names the caller of every operation it records with

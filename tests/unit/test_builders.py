@@ -101,6 +101,7 @@ def test_env_contract_only_pod0_hosts_the_store() -> None:
     assert contract.parse_rdzv_conf(env1["PET_RDZV_CONF"])["is_host"] == "false"
     assert env0["PET_LOCAL_ADDR"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env0["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env0["TORCH_ELASTIC_WORKER_IDENTICAL"] == "1"  # ranks without a store exchange
     assert env0["DDPJOB_GRACE_SECONDS"] == "25"
 
 

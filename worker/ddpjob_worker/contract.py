@@ -69,6 +69,14 @@ starts late. ddpjob-agent waits for the endpoint itself before it connects."""
 # scale-up never completes (TORCHRUN-BASELINE.md). Set only if the user has not set it.
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
+# Every pod of a DDPJob runs ``nprocPerNode`` workers of one role, so torch's agent may compute
+# each worker's global rank from its node's rank (``group_rank * nproc``) instead of a store
+# exchange: every agent writing its role, the round's rank 0 reading all N, writing N answers,
+# every agent reading its own (2N + 2 store requests a round, and a barrier on the slowest
+# agent, which broke rounds of 1,024 hollow agents on this machine). torch's own switch; the
+# ranks are the same. Set only if the user has not set it.
+TORCH_ELASTIC_WORKER_IDENTICAL = "TORCH_ELASTIC_WORKER_IDENTICAL"
+
 # Exit codes of ddpjob-agent, following the Kubeflow convention that ``restartPolicy: ExitCode``
 # relies on: 1-127 is permanent (the user's script failed), 128-255 is retryable.
 EXIT_OK = 0
@@ -197,6 +205,7 @@ def agent_env(contract: AgentContract) -> dict[str, str]:
         DDPJOB_GRACE_SECONDS: str(contract.grace_seconds),
         DDPJOB_STORE_READ_TIMEOUT: str(STORE_READ_TIMEOUT),
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
+        TORCH_ELASTIC_WORKER_IDENTICAL: "1",
     }
     if contract.directory_port:
         env[DDPJOB_DIRECTORY_PORT] = str(contract.directory_port)
