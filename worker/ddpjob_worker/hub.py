@@ -442,7 +442,7 @@ class Hub:
                 self._drop_replaced(session, by=holder)
                 return False
             other = self._joined.get(self._by_index.get(index, session.ident))
-            if other is not None and other is not session:
+            if other is not None and other.ident != session.ident:  # not itself, reconnected
                 if self._claim(session) <= self._claim(other):
                     self._missing.discard(session.ident)  # waits: the first to ask stays
                     return False
