@@ -48,6 +48,14 @@ class MemStore:
             self._enter()
             return all(key in self._data for key in keys)
 
+    def wait(self, keys: Iterable[str], timeout: object = None) -> None:
+        """Nothing waits here: a key that is not there has timed out."""
+        with self._lock:
+            self._enter()
+            missing = [key for key in keys if key not in self._data]
+            if missing:
+                raise RuntimeError(f"wait timeout: {missing}")
+
     def multi_get(self, keys: Iterable[str]) -> list[bytes]:
         with self._lock:
             self._enter()

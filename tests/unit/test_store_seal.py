@@ -228,3 +228,26 @@ def test_naming_the_gone_takes_the_same_store_requests_for_any_number_of_members
     health = watch.judge(keys, nodes, timeout=0.5)
     assert health == dict.fromkeys(nodes, Health.GONE)
     assert counting.calls <= 8, counting.calls
+
+
+def test_a_new_stores_hub_is_read_in_two_requests_and_only_if_sealed() -> None:
+    """Every member asks a new store for its hub at once (a host lost): a wait and a get
+    each, not a wait, a check and a get."""
+    from datetime import timedelta  # noqa: PLC0415
+
+    from ddpjob_worker.hubrdzv import HUB_KEY  # noqa: PLC0415
+    from ddpjob_worker.keys import RunKeys, key  # noqa: PLC0415
+    from tests.unit.memstore import MemStore  # noqa: PLC0415
+
+    store = MemStore()
+    me = NodeRepr("127.0.0.1_1_0")
+    RunKeys(store, "run", KEY, me)._put(HUB_KEY, "127.0.0.1:4242")
+    before = store.requests
+    assert RunKeys(store, "run", KEY, me)._wait_read(HUB_KEY, timedelta(seconds=1)) == (
+        "127.0.0.1:4242"
+    )
+    assert store.requests - before == 2
+    store.set(key("forged", HUB_KEY), "127.0.0.1:1")  # not sealed with the job's key
+    assert RunKeys(store, "forged", KEY, me)._wait_read(HUB_KEY, timedelta(seconds=1)) is None
+    with pytest.raises(RuntimeError, match="wait timeout"):
+        RunKeys(store, "nobody", KEY, me)._wait_read(HUB_KEY, timedelta(seconds=1))

@@ -353,11 +353,9 @@ class HubBackend:
                 host.strip("[]"), int(port), is_master=False, timeout=read, use_libuv=True
             )
             keys = self._keys(store, params)
-            name = keys._name(HUB_KEY)
-            store.wait([name], timedelta(seconds=HOSTED_WAIT_SECONDS))
+            hub = keys._wait_read(HUB_KEY, timedelta(seconds=HOSTED_WAIT_SECONDS))
         except RuntimeError as exc:
             raise RendezvousConnectionError(f"the store at {params.endpoint}: {exc}") from exc
-        hub = keys._read(HUB_KEY)
         if hub is None:
             return None  # not sealed with the job's key: another job's store
         member = self._member(params)

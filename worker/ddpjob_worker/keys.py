@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any, Protocol
 
 from ddpjob_worker.nodes import NodeRepr, ident
@@ -64,6 +65,8 @@ class Store(Protocol):
 
     def append(self, key: str, value: str) -> None: ...
 
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
 
 def key(run_id: str, what: str) -> str:
     """The store key of one of the run's keys."""
@@ -94,6 +97,14 @@ class RunKeys:
         name = self._name(what)
         if not self.store.check([name]):
             return None
+        return self._opened(name, bytes(self.store.get(name)))
+
+    def _wait_read(self, what: str, timeout: timedelta) -> str | None:
+        """The value of one of the run's keys once it is there (the store raises past
+        ``timeout``); None when it is not sealed with the job's key. Two requests: every member
+        asks this of a new store at once."""
+        name = self._name(what)
+        self.store.wait([name], timeout)
         return self._opened(name, bytes(self.store.get(name)))
 
     def _read_many(self, whats: Iterable[str]) -> dict[str, str]:
