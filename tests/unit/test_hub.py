@@ -131,6 +131,28 @@ def test_a_round_forms_with_ranks_by_pod_index(pods: list[Pod]) -> None:
         run_on_loop(made.stop())
 
 
+def test_the_round_carries_rank_0s_store_address_to_every_member(pods: list[Pod]) -> None:
+    # Each agent says where its rank 0 worker would serve the workers' store; the round tells
+    # everyone rank 0's, so nobody reads MASTER_ADDR/PORT from the store (2N requests a round).
+    made, address = hub(min_nodes=3, max_nodes=3)
+    try:
+        new = [Pod(i) for i in (2, 0, 1)]
+        pods.extend(new)
+        for pod in new:
+            pod.member.connect(address)
+            pod.member.join(boot=(f"10.0.0.{pod.index}", 40000 + pod.index))
+        in_round(pods, 3)
+        assert {pod.view.round.boot for pod in pods if pod.view.round} == {("10.0.0.0", 40000)}
+        # The next round's rank 0 joins without saying (an agent of a version that does not):
+        # no address in the round, and the agents fall back to the store's exchange.
+        pods[1].member.end("failure")
+        rejoin(pods)
+        in_round(pods, 3)
+        assert {pod.view.round.boot for pod in pods if pod.view.round} == {None}
+    finally:
+        run_on_loop(made.stop())
+
+
 def test_a_member_whose_agent_is_gone_is_cut_at_once(pods: list[Pod]) -> None:
     made, address = hub(min_nodes=2)
     try:

@@ -76,6 +76,8 @@ class _Session:
     heard: float
     fresh: bool = False
     """It was never given a round (a new pod): the old holder of its index yields to it."""
+    boot: object = None
+    """Where its rank 0 worker would serve the workers' store, as its last join said."""
     left: bool = False
     closed: bool = False
     """Its connection closed."""
@@ -261,6 +263,7 @@ class Hub:
         if kind == "hb":
             self._ack(session)
         elif kind == "join":
+            session.boot = message.get("boot")
             self._join(session)
         elif kind == "end":
             ours = message.get("round") == self._round and session.ident in self._participants
@@ -511,6 +514,7 @@ class Hub:
                 "rank": rank,
                 "world": world,
                 "base_id": base_id,
+                "boot": ordered[0].boot,
                 "prev": self._base_id,
                 "left": left,
                 "chain": chain,

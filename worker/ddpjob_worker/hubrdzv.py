@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from ddpjob_worker import signals
 from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
@@ -110,7 +111,9 @@ class HubRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         previous = self._member.view.round
-        self._member.join()
+        # Where our rank 0 worker would serve the workers' store, chosen now, so that the
+        # round's rank 0 can tell everyone through the hub instead of through the store.
+        self._member.join(boot=(self._address, get_free_port()))  # type: ignore[no-untyped-call]
         deadline = time.monotonic() + self._join_timeout
         asked = time.monotonic()
         while True:
@@ -147,8 +150,20 @@ class HubRendezvousHandler(RendezvousHandler):
         store = dist.PrefixStore(  # type: ignore[attr-defined]
             f"ddpjob.{self._params.run_id}.r{info.gen}.{info.round}/", self._store
         )
-        bootstrap = RendezvousStoreInfo.build(info.rank, store, local_addr=self._address)
-        return RendezvousInfo(store, info.rank, info.world, bootstrap)
+        return RendezvousInfo(store, info.rank, info.world, self._bootstrap(info, store))
+
+    def _bootstrap(self, info: RoundInfo, store: Any) -> RendezvousStoreInfo:
+        """Where the workers' store is: rank 0's ``boot``, which the round message carries to
+        every member (no store request but rank 0's two writes, kept for an agent that reads
+        them from the store, as ``RendezvousStoreInfo.build`` does); without it (a hub that
+        does not say), torch's exchange through the store: 2 writes and 2N reads."""
+        if info.boot is None:
+            return RendezvousStoreInfo.build(info.rank, store, local_addr=self._address)
+        addr, port = info.boot
+        if info.rank == 0:
+            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr.encode())
+            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port).encode())
+        return RendezvousStoreInfo(master_addr=addr, master_port=port)
 
     def is_closed(self) -> bool:
         return self._closed or self._member.view.closed

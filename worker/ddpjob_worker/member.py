@@ -57,6 +57,9 @@ class RoundInfo:
     """Every member (-> pod index), for the first ranks: the next majority's base."""
     host: tuple[NodeIdent, str | None] | None = None
     """The hub's own agent (ident, liveness address)."""
+    boot: tuple[str, int] | None = None
+    """Where the round's rank 0 worker serves the workers' store (MASTER_ADDR, MASTER_PORT),
+    as its agent said when it joined; None from a hub that does not say."""
     prev_id: str | None = None
     """The round before this one, as the hub saw it (None: this is its first)."""
     left: int = 0
@@ -121,6 +124,7 @@ class Member:
         self._acked = clock()
         self._seq = 0
         self._joining = False
+        self._join: Message = {"t": "join"}
         self.sent = 0
         self.received = 0
 
@@ -130,10 +134,13 @@ class Member:
         """Connect to the hub at ``hub`` (``host:port``) and say hello. Raises ``OSError``."""
         submit(self._connect(hub)).result(timeout + 1)
 
-    def join(self) -> None:
-        """Ask to be in the hub's next round (again after a reconnection, until one comes)."""
+    def join(self, boot: tuple[str, int] | None = None) -> None:
+        """Ask to be in the hub's next round (again after a reconnection, until one comes).
+        ``boot``: where this agent's rank 0 worker would serve the workers' store (address,
+        free port), told to the whole round if this agent gets rank 0."""
         self._joining = True
-        self._post({"t": "join"})
+        self._join = {"t": "join"} if boot is None else {"t": "join", "boot": list(boot)}
+        self._post(self._join)
 
     def end(self, reason: str) -> None:
         """Our evidence ends our round (our workers failed, a node waits)."""
@@ -193,7 +200,7 @@ class Member:
             }
         )
         if self._joining:
-            await self._write({"t": "join"})  # the hub forgot we asked when our link closed
+            await self._write(self._join)  # the hub forgot we asked when our link closed
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._read(reader, writer)),
@@ -320,6 +327,7 @@ class Member:
                     else None
                 ),
                 host=_host(message.get("host")),
+                boot=_boot(message.get("boot")),
                 prev_id=None if message.get("prev") is None else str(message["prev"]),
                 left=int(message.get("left", 0)),
             )
@@ -365,3 +373,16 @@ def _host(raw: Any) -> tuple[NodeIdent, str | None] | None:
 def loop() -> asyncio.AbstractEventLoop:
     """The loop members and hubs of this process run on."""
     return shared_loop()
+
+
+def _boot(raw: object) -> tuple[str, int] | None:
+    """A ``[address, port]`` pair from the wire, or None."""
+    if (
+        isinstance(raw, list)
+        and len(raw) == 2
+        and isinstance(raw[0], str)
+        and isinstance(raw[1], int)
+        and 0 < raw[1] < 65536
+    ):
+        return raw[0], raw[1]
+    return None
