@@ -438,6 +438,7 @@ class Hub:
           :meth:`_complete` then tells it was replaced; otherwise the first to ask stays.
 
         One look per join (a map of the indexes), not a pass over every member."""
+        self._missing.discard(session.ident)  # it asked: whether it is in or not
         index = session.index
         if index is not None:
             holder = self._holders.get(index)
@@ -447,13 +448,11 @@ class Hub:
             other = self._joined.get(self._by_index.get(index, session.ident))
             if other is not None and other.ident != session.ident:  # not itself, reconnected
                 if self._claim(session) <= self._claim(other):
-                    self._missing.discard(session.ident)  # waits: the first to ask stays
-                    return False
+                    return False  # waits: the first to ask stays
                 self._unjoin(other.ident)
                 self._missing.discard(other.ident)
             self._by_index[index] = session.ident
         self._joined[session.ident] = session
-        self._missing.discard(session.ident)
         return True
 
     def _unjoin(self, ident: NodeIdent) -> None:
@@ -470,7 +469,6 @@ class Hub:
             session.index,
         )
         self._unjoin(session.ident)
-        self._missing.discard(session.ident)
         self._replaced.add(session.ident)
         self._send(session, {"t": "replaced", "gen": self.gen})
 
