@@ -141,6 +141,7 @@ class Collectives:
         self._lock = threading.Lock()
         self._failed: dict[int, bool] = {}
         self._round: dict[int, tuple[int, int]] = {}
+        self._rings: dict[int, Callable[[], None] | None] = {}
         self._socks: dict[int, dict[socket.socket, tuple[int, int] | None]] = {}
         """Each worker's connections, with their round (None: an accepted one not named yet)."""
         self._wake_r, self._wake_w = socket.socketpair()
@@ -157,12 +158,20 @@ class Collectives:
             self._selector.register(sock, selectors.EVENT_READ, ("listen", index))
         self._wake_w.send(b"x")
 
-    def start(self, index: int, successor: tuple[str, int] | None, round_: tuple[int, int]) -> None:
+    def start(
+        self,
+        index: int,
+        successor: tuple[str, int] | None,
+        round_: tuple[int, int],
+        ring: Callable[[], None] | None = None,
+    ) -> None:
         """Worker ``index`` in round ``round_``: drop the connections of older rounds, connect
-        to the next rank's worker (none in a round of one)."""
+        to the next rank's worker (none in a round of one). ``ring``: called when the worker
+        fails (its agent's doorbell, as a worker process's pidfd would be)."""
         with self._lock:
             self._round[index] = round_
             self._failed[index] = False
+            self._rings[index] = ring
             for sock, of in list(self._socks.get(index, {}).items()):
                 if of is not None and of < round_:
                     self._drop(index, sock)
@@ -174,6 +183,8 @@ class Collectives:
         except OSError:
             with self._lock:
                 self._failed[index] = True
+            if ring is not None:
+                ring()
             return
         sock.setblocking(False)
         with self._lock:
@@ -192,6 +203,7 @@ class Collectives:
                 self._drop(index, sock)
             self._failed.pop(index, None)
             self._round.pop(index, None)
+            self._rings.pop(index, None)
 
     def _drop(self, index: int, sock: socket.socket) -> None:
         self._socks.get(index, {}).pop(sock, None)
@@ -226,6 +238,7 @@ class Collectives:
                         continue
                     except OSError:
                         data = b""
+                    ring = None
                     with self._lock:
                         of = self._socks.get(index, {}).get(sock)
                         if data and of is None:  # an accepted connection names its round
@@ -238,7 +251,10 @@ class Collectives:
                         elif not data:  # the peer's worker is gone
                             if self._current(index, of) and index in self._failed:
                                 self._failed[index] = True
+                                ring = self._rings.get(index)
                             self._drop(index, sock)
+                    if ring is not None:
+                        ring()
 
 
 _COLLECTIVES: list[Collectives] = []
@@ -302,8 +318,14 @@ class HollowWorkers:
                 bytes(store.get(f"hollow/{(rank + 1) % world}")).decode().rpartition(":")
             )
             successor = (host, int(port))
-        collectives().start(self._hollow_index, successor, self._hollow_round)
+        doorbell = getattr(self, "_doorbell", None)  # ours; torch's agent has none
+        ring = None if doorbell is None else doorbell.ring
+        collectives().start(self._hollow_index, successor, self._hollow_round, ring)
         return {worker.local_rank: -1 - worker.local_rank for worker in worker_group.workers}
+
+    def _worker_fds(self) -> list[int] | None:
+        """No processes: a stand-in rings its agent's doorbell when its ring breaks."""
+        return []
 
     def _monitor_workers(self, worker_group: Any) -> Any:
         # Looked up once: an import statement on every tick of every agent was a third of the

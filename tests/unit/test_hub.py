@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -369,3 +370,21 @@ def test_the_hub_answers_every_heartbeat_and_asks_nobody_else(pods: list[Pod]) -
 def test_unique_run_ids_do_not_mix(pods: list[Pod]) -> None:
     other = Wire(Seal(b"the job's key"), uuid.uuid4().hex)
     assert WIRE.decode(other.encode({"t": "hb"})) is None
+
+
+def test_a_members_view_rings_its_agent_when_it_changes_and_only_then(pods: list[Pod]) -> None:
+    made, address = hub(min_nodes=2)
+    try:
+        rings: list[tuple[int, object]] = []
+        first, second = start(pods, 2, address)
+        in_round(pods, 2)
+        first.member.on_change = lambda: rings.append((1, first.view.ends))
+        second.member.on_change = lambda: rings.append((2, second.view.ends))
+        second.gone()
+        view = first.member.wait(lambda v: bool(v.ends), 10.0)
+        assert view.ends
+        # The round's end rang, once (acks that change nothing since do not).
+        time.sleep(1.5)  # a heartbeat and its ack
+        assert [who for who, _ in rings] == [1], rings
+    finally:
+        run_on_loop(made.stop())

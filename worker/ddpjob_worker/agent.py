@@ -51,7 +51,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.launcher.api import LaunchConfig
 
-from ddpjob_worker import liveness, signals, warm, watch, workers
+from ddpjob_worker import doorbell, liveness, signals, warm, watch, workers
 from ddpjob_worker.blame import Blame, FailureReport, Verdict, describe_failure
 from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.failover import StoreView, SupersededError
@@ -159,6 +159,8 @@ class DdpjobAgent(LocalElasticAgent):
         self._departed = False
         self._warm = _warm_pool(spec, settings, early_spares)
         self._reaper = workers.Reaper(self._known_pids)
+        self._doorbell = doorbell.Doorbell()
+        self._exits = doorbell.ProcessWatch()
         self.gave_up = False
 
     def _use(self, handler: RendezvousHandler) -> None:
@@ -174,8 +176,9 @@ class DdpjobAgent(LocalElasticAgent):
         self._initialize_workers(group)
         self._state.update(phase=Phase.RUNNING)
         last_write = time.monotonic()
+        steady = False
         while True:
-            _pause(spec.monitor_interval)
+            self._pause(spec.monitor_interval, steady=steady)
             result: RunResult = self._monitor_workers(group)
             noticed_at = time.time()
             self._ledger.check_torch(self._remaining_restarts)
@@ -185,6 +188,7 @@ class DdpjobAgent(LocalElasticAgent):
                 raise RuntimeError(f"[{role}] worker group in unexpected state {result.state.name}")
             failure = self._blame.failure(result.failures, group.group_rank or 0, noticed_at)
             tick = self._next_action(group, status, failure)
+            steady = tick.action is Action.CONTINUE and status is WorkerStatus.HEALTHY
             if tick.action is Action.CONTINUE:
                 if status is WorkerStatus.HEALTHY:
                     self._tick_warm()
@@ -211,6 +215,38 @@ class DdpjobAgent(LocalElasticAgent):
             self._restart_workers(group)
             self._state.update(phase=Phase.RUNNING)
             last_write = time.monotonic()
+
+    def _pause(self, interval: float, *, steady: bool) -> None:
+        """Wait between two looks at the workers and the round
+        (:mod:`ddpjob_worker.doorbell`): until news comes, for up to
+        :data:`~ddpjob_worker.doorbell.QUIET_SECONDS` while the workers run healthy and every
+        source of news rings, for ``interval`` otherwise. Then act on a stop signal whose raise
+        was swallowed (:func:`ddpjob_worker.signals.check`)."""
+        signals.check()
+        fds = self._news_fds() if steady else None
+        if fds is None:
+            time.sleep(interval)
+        else:
+            self._doorbell.wait(doorbell.QUIET_SECONDS, fds)
+        signals.check()
+
+    def _news_fds(self) -> list[int] | None:
+        """What rings when the next look may differ: the workers' pidfds (the round's word
+        rings the doorbell itself); None when something must be polled instead."""
+        rdzv = self._link.rdzv
+        if rdzv is None or not rdzv.ring_on_news(self._doorbell.ring):
+            return None
+        if self._warm is not None and not self._warm.settled:
+            return None  # spares are starting up: their pool ticks
+        return self._worker_fds()
+
+    def _worker_fds(self) -> list[int] | None:
+        """A pidfd for each worker process (readable when it ends); None when the workers are
+        not all processes of ours (function entrypoints)."""
+        procs = workers.processes(self._pcontext)
+        if len(procs) != self._worker_group.spec.local_world_size:
+            return None
+        return self._exits.fds([proc.pid for proc in procs])
 
     def _next_action(
         self, group: WorkerGroup, status: WorkerStatus, failure: FailureReport
@@ -587,10 +623,3 @@ def _warm_pool(
     for spare in early_spares:
         spare.kill()
     return None
-
-
-def _pause(seconds: float) -> None:
-    """Sleep between two looks at the workers, then act on a stop signal whose raise was
-    swallowed (:func:`ddpjob_worker.signals.check`)."""
-    time.sleep(seconds)
-    signals.check()

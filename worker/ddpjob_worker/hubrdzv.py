@@ -253,6 +253,11 @@ class HubRendezvousHandler(RendezvousHandler):
     def skip_join_jitter(self) -> None:
         """No jitter to skip: a join is one message."""
 
+    def ring_on_news(self, ring: Callable[[], None]) -> bool:
+        """A look reads only the member's view, which rings when it changes."""
+        self._member.on_change = ring
+        return True
+
 
 class ReplacedError(AgentError):
     """Our pod was replaced (a pod of our index is in the job): we must not train."""

@@ -117,6 +117,8 @@ class Member:
         self._clock = clock
         self.view = MemberView()
         self._changed = threading.Condition()
+        self.on_change: Callable[[], None] | None = None
+        """Called (on the loop's thread) when :attr:`view` changes: the agent's doorbell."""
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._probes: set[asyncio.Task[None]] = set()
@@ -174,8 +176,10 @@ class Member:
 
     def _set(self, **changes: Any) -> None:
         with self._changed:
-            self.view = dataclasses.replace(self.view, **changes)
+            old, self.view = self.view, dataclasses.replace(self.view, **changes)
             self._changed.notify_all()
+        if self.view != old and self.on_change is not None:
+            self.on_change()
 
     # -- the loop side ----------------------------------------------------------------------------
 

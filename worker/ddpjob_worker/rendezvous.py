@@ -286,6 +286,10 @@ class RendezvousAdapter:
         """
         self._holder.state.round = max(self._holder.state.round, 1)
 
+    def ring_on_news(self, ring: Callable[[], None]) -> bool:
+        """A look reads the store (the round's state, its silent list): nothing rings."""
+        return False
+
     # -- who comes back -------------------------------------------------------------------------
 
     def member_gone(self) -> bool:

@@ -398,6 +398,12 @@ class WarmPool:
         return [s.proc.pid for s in self._spares]
 
     @property
+    def settled(self) -> bool:
+        """Every slot holds a spare whose imports are done: the pool has nothing to do until
+        a restart takes them (or one dies, which the monitor's next look finds)."""
+        return len(self._spares) >= self._slots and all(s.ready for s in self._spares)
+
+    @property
     def ready(self) -> int:
         """Idle spares whose imports are done: a restart now starts that many workers warm."""
         return sum(1 for s in self._spares if s.ready and s.proc.poll() is None)

@@ -181,6 +181,10 @@ class RoundControl(Protocol):
 
     def skip_join_jitter(self) -> None: ...
 
+    def ring_on_news(self, ring: Callable[[], None]) -> bool:
+        """Have ``ring`` called whenever the next :meth:`look` may differ from the last;
+        False when it cannot (a look reads the store): the agent must look at every tick."""
+
 
 class RoundWatch:
     """Asks the members of the round we joined whether they still answer, and looks at the
