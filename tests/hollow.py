@@ -369,8 +369,6 @@ class HollowWorkers:
 REPO = Path(__file__).resolve().parents[1]
 PORT = 29400
 NODE_SIZE = 64
-READY_TIMEOUT_SECONDS = 300.0
-"""How long the driver waits for every process to import torch before starting the agents."""
 """A node's agents: one process."""
 
 
@@ -416,8 +414,6 @@ class Job:
         self.lags: list[float] = []
         self.exits: dict[int, str | None] = {}
         self.started_at: dict[int, float] = {}
-        self.ready: set[int] = set()
-        """Processes that have imported what their agents run, and wait for the word."""
         groups = [[0], *[[i] for i in singles]]
         if node:
             groups.append(node)
@@ -475,24 +471,6 @@ class Job:
             self.procs.append(proc)
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         self.host = self.procs[0]
-        self._go()
-
-    def _go(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
-        """Once every process has imported torch and the agent (seconds of CPU each, which
-        on a small box would starve the agents already running), start all agents at once."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if len(self.ready) == len(self.procs):
-                    break
-            if any(proc.popen.poll() is not None for proc in self.procs):
-                break  # one died: its log says why; the others start anyway
-            time.sleep(0.05)
-        for proc in self.procs:
-            with contextlib.suppress(OSError, ValueError):
-                assert proc.popen.stdin is not None
-                proc.popen.stdin.write("go\n")
-                proc.popen.stdin.flush()
 
     def _read(self, proc: Proc) -> None:
         assert proc.popen.stdout is not None
@@ -508,8 +486,6 @@ class Job:
                     self.exits[event["i"]] = event.get("error")
                 elif event.get("ev") == "started":
                     self.started_at[proc.pid] = event["t"]
-                elif event.get("ev") == "ready":
-                    self.ready.add(proc.pid)
 
     def logs(self) -> str:
         """The tails of every process's log (for a failing test)."""
@@ -688,15 +664,6 @@ def _method_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
-def _preload(mode: str) -> None:
-    """Import what the agents run before they start (each agent imports it lazily)."""
-    import torch.distributed.run  # noqa: F401, PLC0415
-    from torch.distributed.elastic.agent.server import local_elastic_agent  # noqa: F401, PLC0415
-
-    if mode == "ddpjob":
-        from ddpjob_worker import agent, launch, policy, state  # noqa: F401, PLC0415
-
-
 def serve(spec: Spec) -> None:
     os.environ["DDPJOB_STORE_KEY"] = spec.key
     # The pod env's torch switches (contract.agent_env), which torch reads from the process.
@@ -714,9 +681,6 @@ def serve(spec: Spec) -> None:
     from ddpjob_worker.rendezvous import seed_incarnation  # noqa: PLC0415
 
     seed_incarnation()
-    _preload(spec.mode)
-    emit(ev="ready")
-    sys.stdin.readline()  # "go": every process of the job has imported what it runs
 
     def done(index: int, exc: BaseException | None) -> None:
         emit(ev="exit", i=index, error=None if exc is None else f"{type(exc).__name__}: {exc}")
