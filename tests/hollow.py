@@ -158,16 +158,12 @@ class Collectives:
             self._selector.register(sock, selectors.EVENT_READ, ("listen", index))
         self._wake_w.send(b"x")
 
-    def start(
-        self,
-        index: int,
-        successor: tuple[str, int] | None,
-        round_: tuple[int, int],
-        ring: Callable[[], None] | None = None,
+    def begin(
+        self, index: int, round_: tuple[int, int], ring: Callable[[], None] | None = None
     ) -> None:
-        """Worker ``index`` in round ``round_``: drop the connections of older rounds, connect
-        to the next rank's worker (none in a round of one). ``ring``: called when the worker
-        fails (its agent's doorbell, as a worker process's pidfd would be)."""
+        """Worker ``index`` starts in round ``round_``: drop its connections of older rounds.
+        ``ring``: called when the worker fails (its agent's doorbell, as a worker process's
+        pidfd would be)."""
         with self._lock:
             self._round[index] = round_
             self._failed[index] = False
@@ -175,22 +171,34 @@ class Collectives:
             for sock, of in list(self._socks.get(index, {}).items()):
                 if of is not None and of < round_:
                     self._drop(index, sock)
-        if successor is None:
-            return
+
+    def connect(self, index: int, round_: tuple[int, int], successor: tuple[str, int]) -> None:
+        """Connect worker ``index`` of round ``round_`` to the next rank's worker, as a
+        collective's first call does; a worker that cannot reach it fails."""
         try:
             sock = socket.create_connection(successor, timeout=5)
             sock.sendall(f"{round_[0]}.{round_[1]}\n".encode())
         except OSError:
-            with self._lock:
-                self._failed[index] = True
-            if ring is not None:
-                ring()
+            self.fail(index, round_)
             return
         sock.setblocking(False)
         with self._lock:
+            if self._round.get(index) != round_:  # stopped, or started again meanwhile
+                sock.close()
+                return
             self._socks.setdefault(index, {})[sock] = round_
             self._selector.register(sock, selectors.EVENT_READ, ("peer", index))
         self._wake_w.send(b"x")
+
+    def fail(self, index: int, round_: tuple[int, int]) -> None:
+        """Worker ``index`` fails in round ``round_`` (if it still runs in it)."""
+        with self._lock:
+            if self._round.get(index) != round_ or index not in self._failed:
+                return
+            self._failed[index] = True
+            ring = self._rings.get(index)
+        if ring is not None:
+            ring()
 
     def failed(self, index: int) -> bool:
         with self._lock:
@@ -257,6 +265,17 @@ class Collectives:
                         ring()
 
 
+def _find_successor(store: Any, rank: int, index: int, round_: tuple[int, int]) -> None:
+    """Read where rank ``rank``'s worker listens (the store's timeout: a peer that never comes
+    fails the worker), then connect to it."""
+    try:
+        host, _, port = bytes(store.get(f"hollow/{rank}")).decode().rpartition(":")
+    except Exception:  # torch's DistStoreError (a timeout), or the store is gone
+        collectives().fail(index, round_)
+        return
+    collectives().connect(index, round_, (host, int(port)))
+
+
 _COLLECTIVES: list[Collectives] = []
 _ERROR_FILE: list[str] = []
 
@@ -312,15 +331,18 @@ class HollowWorkers:
         )
         me = f"{self._hollow_addr}:{self._hollow_port}"
         store.set(f"hollow/{rank}", me)
-        successor = None
-        if world > 1:
-            host, _, port = (
-                bytes(store.get(f"hollow/{(rank + 1) % world}")).decode().rpartition(":")
-            )
-            successor = (host, int(port))
         doorbell = getattr(self, "_doorbell", None)  # ours; torch's agent has none
-        ring = None if doorbell is None else doorbell.ring
-        collectives().start(self._hollow_index, successor, self._hollow_round, ring)
+        index, round_ = self._hollow_index, self._hollow_round
+        collectives().begin(index, round_, None if doorbell is None else doorbell.ring)
+        if world > 1:
+            # As a gloo worker's first collective: it waits for its peer in the background, and
+            # fails (its agent restarts it) if the peer never comes; the agent is not held.
+            threading.Thread(
+                target=_find_successor,
+                args=(store, (rank + 1) % world, index, round_),
+                name=f"hollow-ring-{index}",
+                daemon=True,
+            ).start()
         return {worker.local_rank: -1 - worker.local_rank for worker in worker_group.workers}
 
     def _worker_fds(self) -> list[int] | None:
