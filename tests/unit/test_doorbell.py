@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 from ddpjob_worker.doorbell import Doorbell, ProcessWatch
 
@@ -60,4 +61,36 @@ def test_a_worker_that_ends_wakes_the_wait_and_one_reaped_cannot_be_watched() ->
         proc.kill()
         proc.wait()
         watch.close()
+        bell.close()
+
+
+def test_the_agent_waits_only_on_workers_still_running() -> None:
+    """A local rank that ended first (torch has polled it) must not ring every wait: its pidfd
+    stays readable, and the loop would spin until the others end."""
+    from ddpjob_worker.agent import DdpjobAgent  # noqa: PLC0415 (torch)
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    agent = SimpleNamespace(
+        _pcontext=SimpleNamespace(
+            subprocess_handlers={0: SimpleNamespace(proc=done), 1: SimpleNamespace(proc=running)}
+        ),
+        _worker_group=SimpleNamespace(spec=SimpleNamespace(local_world_size=2)),
+        _exits=ProcessWatch(),
+    )
+    bell = Doorbell()
+    try:
+        fds = DdpjobAgent._worker_fds(agent)  # type: ignore[arg-type]
+        assert fds is not None and len(fds) == 1
+        assert bell.wait(0.05, fds) is False
+        running.kill()
+        assert bell.wait(30.0, fds) is True
+        # Workers run as functions (no processes of ours): the loop must poll.
+        agent._pcontext = SimpleNamespace(subprocess_handlers={})
+        assert DdpjobAgent._worker_fds(agent) is None  # type: ignore[arg-type]
+    finally:
+        running.kill()
+        running.wait()
+        agent._exits.close()
         bell.close()

@@ -246,7 +246,8 @@ class DdpjobAgent(LocalElasticAgent):
         procs = workers.processes(self._pcontext)
         if len(procs) != self._worker_group.spec.local_world_size:
             return None
-        return self._exits.fds([proc.pid for proc in procs])
+        # One that torch has seen end (a rank done before the others) would ring forever.
+        return self._exits.fds([proc.pid for proc in procs if proc.returncode is None])
 
     def _next_action(
         self, group: WorkerGroup, status: WorkerStatus, failure: FailureReport
