@@ -391,8 +391,6 @@ class HollowWorkers:
 REPO = Path(__file__).resolve().parents[1]
 PORT = 29400
 NODE_SIZE = 64
-AGENTS_NICE = 5
-"""The niceness of every hollow process but the store host's (see :func:`serve`)."""
 """A node's agents: one process."""
 
 
@@ -689,12 +687,6 @@ def _method_name(depth: int = 2) -> str:
 
 
 def serve(spec: Spec) -> None:
-    if all(agent.index != 0 for agent in spec.agents):
-        # On a cluster the store's host has a pod's CPU of its own; here 1,023 agents restarting
-        # together on 2 shared cores took its process's share below what the hub needs to answer
-        # 1,023 members (it went silent for 2 s, and the members failed over). The others yield
-        # to it (nice 5: about three times its share each, whatever they spend).
-        os.nice(AGENTS_NICE)
     os.environ["DDPJOB_STORE_KEY"] = spec.key
     # The pod env's torch switches (contract.agent_env), which torch reads from the process.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
