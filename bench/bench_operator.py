@@ -423,6 +423,17 @@ def main() -> None:
         help="with --hollow: only the start, the steady state and the passes",
     )
     parser.add_argument(
+        "--to-loss",
+        action="store_true",
+        help="with --hollow: the start, the steady state, the passes and the node loss only",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=16,
+        help="with --hollow: hollow nodes (16: 64 pods a node at --pods 1024; 4 at 256)",
+    )
+    parser.add_argument(
         "--profile", help="with --hollow: run the operator under cProfile, its stats to this file"
     )
     parser.add_argument(

@@ -61,6 +61,7 @@ DDPJOB = str(Path(sys.executable).parent / "ddpjob")
 OPERATOR = f"system:serviceaccount:{fixtures.OPERATOR_NAMESPACE}:{fixtures.OPERATOR_ACCOUNT}"
 JOB_CONTROLLER = "system:serviceaccount:kube-system:job-controller"
 NODES = 16
+"""Hollow nodes by default (``--nodes``): 1,024 pods make 64 a node."""
 TRAINER = {
     "name": "trainer",
     "image": "ghcr.io/ddpjob/ddpjob-worker-cpu:0.1.0",
@@ -100,8 +101,8 @@ class Recorder:
         self.cluster = cluster
         self.lock = threading.Lock()
         self.pods: dict[str, PodRow] = {}
-        self.statuses: list[tuple[float, str, int]] = []
-        """(when, job, size in bytes of its status as JSON) for every change of a status."""
+        self.statuses: list[tuple[float, str, str]] = []
+        """(when, job, its status as JSON) for every change of a status."""
         self._last_status: dict[str, str] = {}
         self.stop = threading.Event()
 
@@ -150,7 +151,7 @@ class Recorder:
         with self.lock:
             if self._last_status.get(name) != text:
                 self._last_status[name] = text
-                self.statuses.append((now(), name, len(text.encode())))
+                self.statuses.append((now(), name, text))
 
     def rows(self, job: str) -> list[PodRow]:
         with self.lock:
@@ -161,7 +162,51 @@ class Recorder:
 
     def max_status(self, job: str) -> int:
         with self.lock:
-            return max((size for _, name, size in self.statuses if name == job), default=0)
+            return max(
+                (len(text.encode()) for _, name, text in self.statuses if name == job), default=0
+            )
+
+    def changes(self, job: str, since: float, until: float) -> list[JSON]:
+        """Each change of ``job``'s status between two times: when (seconds after ``since``)
+        and what moved (a count's new value, or the names of the other fields that changed),
+        to tell why the operator wrote it."""
+        with self.lock:
+            texts = [(at, text) for at, name, text in self.statuses if name == job]
+        before: JSON = next((json.loads(t) for at, t in reversed(texts) if at < since), {})
+        out: list[JSON] = []
+        for at, text in texts:
+            if not since <= at <= until:
+                continue
+            status = json.loads(text)
+            moved: JSON = {}
+            for key in sorted(set(before) | set(status)):
+                old, new = before.get(key), status.get(key)
+                if old == new:
+                    continue
+                if key == "accountedPods":
+                    moved[key] = f"{len(old or [])} -> {len(new or [])}"
+                elif isinstance(new, (int, str)) or new is None:
+                    moved[key] = new
+                elif key == "conditions":
+                    moved[key] = _conditions_moved(old or [], new or [])
+                else:
+                    moved[key] = f"{len(old or [])} -> {len(new or [])} entries"
+            out.append({"at_s": round(at - since, 1), "moved": moved})
+            before = status
+        return out
+
+
+def _conditions_moved(old: list[JSON], new: list[JSON]) -> str:
+    """Which conditions changed, and whether only in their message."""
+    was = {c.get("type"): c for c in old}
+    said = []
+    for c in new:
+        prev = was.get(c.get("type")) or {}
+        if prev == c:
+            continue
+        same = all(prev.get(k) == c.get(k) for k in ("status", "reason"))
+        said.append(f"{c.get('type')}{' (message)' if same else '=' + str(c.get('status'))}")
+    return ", ".join(said)
 
 
 def wait(what: str, check: Callable[[], object], timeout: float, every: float = 0.2) -> float:
@@ -484,7 +529,7 @@ class Bench:
         window = self.window()
         cpu = self.operator.cpu()
         asked = self.cluster.hollow_stats()["agent_connections"]
-        started = time.monotonic()
+        started, t0 = time.monotonic(), now()
         time.sleep(seconds)
         spent = time.monotonic() - started
         cpu = self.operator.cpu() - cpu
@@ -495,6 +540,7 @@ class Bench:
             "seconds": round(spent, 1),
             "requests": requests_,
             "status_writes": requests_.get("patch ddpjobs/status", 0),
+            "status_changes": self.recorder.changes(name, t0, now()),
             "cpu_s": round(cpu, 2),
             "core_pct": round(100 * cpu / spent, 1),
             "agent_connects_per_s": round(asked / spent, 1),
@@ -584,6 +630,7 @@ class Bench:
             "charged_added": after.get("backoffCount", 0) - before.get("backoffCount", 0),
             "reasons": sorted({f.get("reason") for f in fresh}),
             "status_writes": requests_.get("patch ddpjobs/status", 0),
+            "status_changes": self.recorder.changes(name, t0, now()),
             "requests": requests_,
             "cpu_s": round(cpu, 2),
             "write_p99_s": round(p99, 3),
@@ -697,7 +744,7 @@ def run(args: argparse.Namespace, workdir: Path) -> JSON:
     cluster = ControlPlane(
         workdir / "cluster",
         nodes=0,
-        hollow=NODES,
+        hollow=args.nodes,
         before_controllers=fixtures.install_crd,
         # Kubernetes' defaults, not the tests' 6 s: a node is NotReady 50 s after its last
         # heartbeat (and a loaded machine does not make hollow nodes flap).
@@ -727,7 +774,7 @@ def run(args: argparse.Namespace, workdir: Path) -> JSON:
 
 
 def measure(bench: Bench, pods: int) -> JSON:
-    out: JSON = {"pods": pods, "nodes": NODES}
+    out: JSON = {"pods": pods, "nodes": bench.args.nodes}
     op = bench.operator
 
     # 1. the 64-pod job
@@ -759,6 +806,10 @@ def measure(bench: Bench, pods: int) -> JSON:
     # 5. a node lost
     loss = bench.lose_node("big", pods)
     out["node_loss"] = loss
+    if bench.args.to_loss:
+        out["operator_cpu_s"] = round(op.cpu() - cpu0, 1)
+        out["table"] = [("(--to-loss: see the JSON)", "", "", "")]
+        return out
     # 6. scale down and up
     down = bench.scale("big", pods // 2)
     up = bench.scale("big", pods)
