@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import os
 import re
@@ -51,6 +50,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import cluster_bench  # noqa: E402
 from tests.kube import fixtures, network  # noqa: E402
 from tests.kube.client import ApiError, Client  # noqa: E402
 from tests.kube.controlplane import ControlPlane  # noqa: E402
@@ -73,10 +73,6 @@ MUTATING = {"create", "update", "patch", "delete", "deletecollection"}
 
 def now() -> float:
     return time.time()
-
-
-def _stamp(value: str) -> float:
-    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 # ---- what the bench watches ------------------------------------------------------------------
@@ -239,29 +235,10 @@ class Window:
         return self
 
     def requests(self, user: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for e in self.entries:
-            if (e.get("user") or {}).get("username") != user or e.get("verb") == "watch":
-                continue
-            ref = e.get("objectRef") or {}
-            if not ref.get("resource"):
-                continue
-            key = f"{e['verb']} {ref['resource']}" + (
-                f"/{ref['subresource']}" if ref.get("subresource") else ""
-            )
-            out[key] = out.get(key, 0) + 1
-        return out
+        return cluster_bench.requests_by(self.entries, user)
 
     def creates(self, user: str, resource: str = "pods") -> list[float]:
-        return sorted(
-            _stamp(e["stageTimestamp"])
-            for e in self.entries
-            if (e.get("user") or {}).get("username") == user
-            and e.get("verb") == "create"
-            and (e.get("objectRef") or {}).get("resource") == resource
-            and not (e.get("objectRef") or {}).get("subresource")
-            and (e.get("responseStatus") or {}).get("code") == 201
-        )
+        return sorted(at for _, at in cluster_bench.creates_by(self.entries, user, resource))
 
     def created_at(self, resource: str, name: str) -> float:
         for e in self.entries:
@@ -273,7 +250,7 @@ class Window:
                 and (e.get("responseStatus") or {}).get("code") == 201
                 and ref.get("namespace") == NS
             ):
-                return _stamp(e["stageTimestamp"])
+                return cluster_bench.stamp(e["stageTimestamp"])
         raise SystemExit(f"no create of {resource}/{name} in the audit log")
 
     def write_latency(self) -> tuple[float, int, int]:
@@ -287,7 +264,10 @@ class Window:
                 throttled += 1
             if e.get("verb") not in MUTATING or e.get("stage") != "ResponseComplete":
                 continue
-            spent.append(_stamp(e["stageTimestamp"]) - _stamp(e["requestReceivedTimestamp"]))
+            spent.append(
+                cluster_bench.stamp(e["stageTimestamp"])
+                - cluster_bench.stamp(e["requestReceivedTimestamp"])
+            )
         if not spent:
             return 0.0, 0, throttled
         spent.sort()
@@ -441,18 +421,7 @@ def pass_in_process(pods: int, count: int = 50) -> JSON:
 
 
 def ddpjob(name: str, pods: int) -> JSON:
-    return {
-        "apiVersion": "ddpjob.io/v1alpha1",
-        "kind": "DDPJob",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "replicas": pods,
-            "minReplicas": 1,
-            "maxReplicas": pods,
-            "nprocPerNode": 1,
-            "template": {"spec": {"containers": [TRAINER]}},
-        },
-    }
+    return cluster_bench.ddpjob(name, NS, pods, TRAINER)
 
 
 def batch_job(name: str, pods: int) -> JSON:
@@ -752,17 +721,7 @@ def run(args: argparse.Namespace, workdir: Path) -> JSON:
         node_monitor_grace=args.node_monitor_grace,
     )
     with cluster:
-        fixtures.install_rbac(cluster)
-        fixtures.kubectl_run(cluster, "create", "namespace", NS)
-        admin = cluster.admin()
-        fixtures.wait_for(
-            lambda: (
-                admin.session.get(
-                    f"{cluster.server}/api/v1/namespaces/{NS}/serviceaccounts/default"
-                ).ok
-            ),
-            "the namespace's default ServiceAccount",
-        )
+        cluster_bench.prepare(cluster, NS)
         operator = Operator(
             cluster, workdir, ask_agents=not args.no_ask_agents, profile=args.profile
         )
