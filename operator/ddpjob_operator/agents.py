@@ -15,13 +15,16 @@ every 2 s was 512 connections a second and as many sockets at once, and a second
 operator's CPU per pass. So the answers are kept (:class:`Survey`, one per job), and a pass asks
 only as many pods as an operator-wide :class:`Budget` allows (:data:`MAX_ASKS_PER_SECOND`, a
 burst of :data:`ASK_BURST`): first the pods never asked at their address, then the pod that
-hosts the store; once that one has fallen silent (or said it no longer hosts), the
-:data:`SUCCESSORS` lowest-indexed pods that answer, at most once a second, until one says it
-hosts (its successor is the lowest-ranked survivor, docs/agent.md, store failover: found as
+hosts the store, then those that did not answer their first question (asked once more
+:data:`ASK_EVERY_SECONDS` later: an agent not listening yet, or slow on a loaded node, counted
+as not ready for a whole sweep, and a 1,024-pod start ended in a status write 10 s later with
+1,018 of 1,024 ready); once the store's host has fallen silent (or said it no longer hosts),
+the :data:`SUCCESSORS` lowest-indexed pods that answer, at most once a second, until one says
+it hosts (its successor is the lowest-ranked survivor, docs/agent.md, store failover: found as
 soon as it takes over, not in its turn of the sweep), for :data:`KEEP_SECONDS` at most; then
-the other pods of a node where a pod fell silent (pods of a node are lost
-together: a node of 64 is found in a pass or two, not one pod after another over the sweep,
-each a change of the job's counts); then those asked longest ago. A job of up to 64
+the other pods of a node where a pod fell silent (pods of a node are lost together: a node of
+64 is found in a pass or two, not one pod after another over the sweep, each a change of the
+job's counts); then those asked longest ago. A job of up to 64
 pods is asked whole every 2 s, as before; a job of 1,024 pods is swept in about 26 s, and its
 new pods and its store host are asked at once. An answer older than :data:`KEEP_SECONDS`
 counts as none. The world is the one of the newest round that any kept answer names, so an
@@ -153,6 +156,8 @@ class _Kept:
     ip: str
     answer: AgentAnswer | None
     at: float
+    silent: int = 0
+    """Questions in a row at this address that got no answer."""
 
 
 class Survey:
@@ -167,9 +172,10 @@ class Survey:
         none ever was)."""
 
     def pick(self, pods: Sequence[ObservedPod], budget: Budget, now: float) -> list[ObservedPod]:
-        """The pods to ask now: never asked at their address, then the store's host, then (the
-        host lost) its likely successors, then those asked before a pod of their node fell
-        silent, then the longest unasked; as many as ``budget`` grants."""
+        """The pods to ask now: never asked at their address, then the store's host, then those
+        silent at their first question once more, then (the host lost) its likely successors,
+        then those asked before a pod of their node fell silent, then the longest unasked; as
+        many as ``budget`` grants."""
         candidates = [p for p in pods if askable(p)]
         if not candidates:
             return []
@@ -195,11 +201,13 @@ class Survey:
                 return (0, 0.0, pod.index)
             if pod.name == host:
                 return (1, kept.at, pod.index)
+            if kept.silent == 1 and now - kept.at >= ASK_EVERY_SECONDS:
+                return (2, kept.at, pod.index)  # its first question went unanswered
             if pod.name in successors:
-                return (2, float(pod.index), pod.index)
+                return (3, float(pod.index), pod.index)
             if kept.answer is not None and pod.node in silent and kept.at < silent[pod.node]:
-                return (3, kept.at, pod.index)
-            return (4, kept.at, pod.index)
+                return (4, kept.at, pod.index)
+            return (5, kept.at, pod.index)
 
         ordered = sorted(candidates, key=order)
         return ordered[: budget.take(len(ordered), now)]
@@ -224,7 +232,12 @@ class Survey:
     ) -> None:
         ips = {p.name: str(p.ip) for p in pods}
         for name, answer in answers.items():
-            self._kept[name] = _Kept(ips.get(name, ""), answer, now)
+            ip = ips.get(name, "")
+            before = self._kept.get(name)
+            silent = 0
+            if answer is None:
+                silent = 1 + (before.silent if before is not None and before.ip == ip else 0)
+            self._kept[name] = _Kept(ip, answer, now, silent)
             if answer is not None and answer.host:
                 self._host, self._host_lost = name, None
             elif name == self._host:

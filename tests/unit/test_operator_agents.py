@@ -204,9 +204,19 @@ def test_a_silent_pods_node_is_asked_next() -> None:
     assert [p.index for p in asked[63:]] == [0]  # then the sweep, the longest unasked first
     survey.record(dict.fromkeys((p.name for p in asked[:63]), None), asked[:63], 2.0)
     survey.record({"demo-worker-0": running["demo-worker-0"]}, asked[63:], 2.0)
-    # Asked since: the sweep goes on.
-    later = survey.pick(pods, budget, 4.0)
-    assert [p.index for p in later] == list(range(1, 65))
+    # Asked since: the sweep goes on, and the silent ones are asked once more ASK_EVERY_SECONDS
+    # after their first silence (an agent not listening yet, or slow), then left to the sweep.
+    later = survey.pick(pods, budget, 3.0)
+    assert [p.index for p in later] == [1000, *range(1, 32)]
+    survey.record({p.name: running[p.name] for p in later[1:]}, later[1:], 3.0)
+    survey.record({"demo-worker-1000": None}, later[:1], 3.0)
+    again = survey.pick(pods, agents.Budget(now=4.0), 2.0 + agents.ASK_EVERY_SECONDS)
+    assert sorted(p.index for p in again[:63]) == [i for i in range(960, 1024) if i != 1000]
+    assert [p.index for p in again[63:]] == [32]
+    survey.record(dict.fromkeys((p.name for p in again[:63]), None), again[:63], 4.0)
+    survey.record({"demo-worker-32": running["demo-worker-32"]}, again[63:], 4.0)
+    # Twice silent: left to the sweep.
+    assert [p.index for p in survey.pick(pods, agents.Budget(now=6.0), 6.0)] == list(range(33, 97))
 
 
 def test_the_store_hosts_successor_is_looked_for_until_it_hosts() -> None:
@@ -225,8 +235,9 @@ def test_the_store_hosts_successor_is_looked_for_until_it_hosts() -> None:
     not_yet = {f"demo-worker-{i}": said[f"demo-worker-{i}"] for i in range(1, 17)}
     survey.record(not_yet, pods, 2.0)
     assert not {p.index for p in survey.pick(pods, budget, 2.5)} & set(range(1, 17))
-    again = survey.pick(pods, budget, 3.5)  # a second later: asked again
-    assert [p.index for p in again[:16]] == list(range(1, 17))
+    again = survey.pick(pods, budget, 3.5)  # a second later: asked again (after pod 0, silent
+    # at its first question 2.5 s ago: asked once more)
+    assert [p.index for p in again[:17]] == list(range(17))
     took_over = AgentAnswer(1, "running", 127, host=True, gen=2)
     survey.record({**not_yet, "demo-worker-1": took_over}, pods, 3.5)
     after = survey.pick(pods, budget, 5.0)
