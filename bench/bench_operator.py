@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import os
 import signal
 import statistics
@@ -52,6 +51,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.emulator, tests.kube
+from bench import cluster_bench  # noqa: E402
 from tests.emulator import EmulatorProcess  # noqa: E402
 from tests.kube import fixtures  # noqa: E402
 from tests.kube.controlplane import ControlPlane  # noqa: E402
@@ -63,18 +63,7 @@ OPERATOR_USER = f"system:serviceaccount:{fixtures.OPERATOR_NAMESPACE}:{fixtures.
 
 
 def manifest(name: str, pods: int, container: JSON) -> JSON:
-    return {
-        "apiVersion": "ddpjob.io/v1alpha1",
-        "kind": "DDPJob",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "replicas": pods,
-            "minReplicas": 1,
-            "maxReplicas": pods,
-            "nprocPerNode": 1,
-            "template": {"spec": {"containers": [container]}},
-        },
-    }
+    return cluster_bench.ddpjob(name, NS, pods, container)
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -207,11 +196,6 @@ class Emulated(Backend):
                 self.em.control.set_pod_phase(NS, meta["name"], "Succeeded", exit_code=0)
 
 
-def _audit_time(entry: JSON) -> float:
-    stamp = str(entry.get("stageTimestamp") or entry.get("requestReceivedTimestamp"))
-    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
 class Real(Backend):
     name = "real"
 
@@ -236,31 +220,10 @@ class Real(Backend):
         return self.cluster.audit_size()
 
     def pod_creates(self, since: int) -> list[tuple[str, float]]:
-        return [
-            (str(e["objectRef"].get("name") or e["objectRef"].get("name", "")), _audit_time(e))
-            for e in self.cluster.audit(since)
-            if e.get("verb") == "create"
-            and (e.get("objectRef") or {}).get("resource") == "pods"
-            and not (e.get("objectRef") or {}).get("subresource")
-            and (e.get("responseStatus") or {}).get("code") == 201
-            and (e.get("user") or {}).get("username") == OPERATOR_USER
-        ]
+        return cluster_bench.creates_by(self.cluster.audit(since), OPERATOR_USER)
 
     def operator_requests(self, since: int) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for entry in self.cluster.audit(since):
-            if (entry.get("user") or {}).get("username") != OPERATOR_USER:
-                continue
-            if entry.get("verb") == "watch":
-                continue
-            ref = entry.get("objectRef") or {}
-            if not ref.get("resource"):
-                continue  # discovery
-            key = f"{entry['verb']} {ref['resource']}" + (
-                f"/{ref['subresource']}" if ref.get("subresource") else ""
-            )
-            out[key] = out.get(key, 0) + 1
-        return out
+        return cluster_bench.requests_by(self.cluster.audit(since), OPERATOR_USER)
 
     def finish_pods(self) -> None:
         """The pods exit 0 at ``END`` by themselves."""
@@ -386,17 +349,7 @@ def on_real(args: argparse.Namespace, workdir: Path) -> dict[str, str]:
         before_controllers=fixtures.install_crd,
     )
     with cluster:
-        fixtures.install_rbac(cluster)
-        fixtures.kubectl_run(cluster, "create", "namespace", NS)
-        admin = cluster.admin()
-        fixtures.wait_for(
-            lambda: (
-                admin.session.get(
-                    f"{cluster.server}/api/v1/namespaces/{NS}/serviceaccounts/default"
-                ).ok
-            ),
-            "the namespace's default ServiceAccount",
-        )
+        cluster_bench.prepare(cluster, NS)
         kubeconfig = fixtures.operator_kubeconfig(cluster, workdir / "operator.kubeconfig")
         backend = Real(cluster, end_after=args.pod_seconds)
         with operator_process(kubeconfig, workdir) as operator:
@@ -421,6 +374,17 @@ def main() -> None:
         "--short",
         action="store_true",
         help="with --hollow: only the start, the steady state and the passes",
+    )
+    parser.add_argument(
+        "--to-loss",
+        action="store_true",
+        help="with --hollow: the start, the steady state, the passes and the node loss only",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=16,
+        help="with --hollow: hollow nodes (16: 64 pods a node at --pods 1024; 4 at 256)",
     )
     parser.add_argument(
         "--profile", help="with --hollow: run the operator under cProfile, its stats to this file"

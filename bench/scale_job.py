@@ -9,7 +9,8 @@ its pod would be) and, in the same run, the built-in Job controller of kube-cont
 
 1. a 64-pod DDPJob: created -> all pods created, -> all Running; then deleted;
 2. a DDPJob of N pods (``kubectl apply``): -> all created, -> all Running;
-3. steady state (``--quiet-seconds``): the operator's requests, status writes, CPU, and how
+3. steady state (``--quiet-seconds``), once the job reports every pod ready (how long after
+   all Running: ``reported_whole_s``): the operator's requests, status writes, CPU, and how
    often it asks the agents (connections a second, counted by the hollow agents);
 4. passes over N pods: the job is touched 10 times (an annotation), each a pass with nothing
    to do; the operator's CPU and its ``ddpjob_reconcile_seconds`` per pass;
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import os
 import re
@@ -51,6 +51,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import cluster_bench  # noqa: E402
 from tests.kube import fixtures, network  # noqa: E402
 from tests.kube.client import ApiError, Client  # noqa: E402
 from tests.kube.controlplane import ControlPlane  # noqa: E402
@@ -61,6 +62,7 @@ DDPJOB = str(Path(sys.executable).parent / "ddpjob")
 OPERATOR = f"system:serviceaccount:{fixtures.OPERATOR_NAMESPACE}:{fixtures.OPERATOR_ACCOUNT}"
 JOB_CONTROLLER = "system:serviceaccount:kube-system:job-controller"
 NODES = 16
+"""Hollow nodes by default (``--nodes``): 1,024 pods make 64 a node."""
 TRAINER = {
     "name": "trainer",
     "image": "ghcr.io/ddpjob/ddpjob-worker-cpu:0.1.0",
@@ -72,10 +74,6 @@ MUTATING = {"create", "update", "patch", "delete", "deletecollection"}
 
 def now() -> float:
     return time.time()
-
-
-def _stamp(value: str) -> float:
-    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 # ---- what the bench watches ------------------------------------------------------------------
@@ -100,8 +98,8 @@ class Recorder:
         self.cluster = cluster
         self.lock = threading.Lock()
         self.pods: dict[str, PodRow] = {}
-        self.statuses: list[tuple[float, str, int]] = []
-        """(when, job, size in bytes of its status as JSON) for every change of a status."""
+        self.statuses: list[tuple[float, str, str]] = []
+        """(when, job, its status as JSON) for every change of a status."""
         self._last_status: dict[str, str] = {}
         self.stop = threading.Event()
 
@@ -150,7 +148,7 @@ class Recorder:
         with self.lock:
             if self._last_status.get(name) != text:
                 self._last_status[name] = text
-                self.statuses.append((now(), name, len(text.encode())))
+                self.statuses.append((now(), name, text))
 
     def rows(self, job: str) -> list[PodRow]:
         with self.lock:
@@ -161,7 +159,51 @@ class Recorder:
 
     def max_status(self, job: str) -> int:
         with self.lock:
-            return max((size for _, name, size in self.statuses if name == job), default=0)
+            return max(
+                (len(text.encode()) for _, name, text in self.statuses if name == job), default=0
+            )
+
+    def changes(self, job: str, since: float, until: float) -> list[JSON]:
+        """Each change of ``job``'s status between two times: when (seconds after ``since``)
+        and what moved (a count's new value, or the names of the other fields that changed),
+        to tell why the operator wrote it."""
+        with self.lock:
+            texts = [(at, text) for at, name, text in self.statuses if name == job]
+        before: JSON = next((json.loads(t) for at, t in reversed(texts) if at < since), {})
+        out: list[JSON] = []
+        for at, text in texts:
+            if not since <= at <= until:
+                continue
+            status = json.loads(text)
+            moved: JSON = {}
+            for key in sorted(set(before) | set(status)):
+                old, new = before.get(key), status.get(key)
+                if old == new:
+                    continue
+                if key == "accountedPods":
+                    moved[key] = f"{len(old or [])} -> {len(new or [])}"
+                elif isinstance(new, (int, str)) or new is None:
+                    moved[key] = new
+                elif key == "conditions":
+                    moved[key] = _conditions_moved(old or [], new or [])
+                else:
+                    moved[key] = f"{len(old or [])} -> {len(new or [])} entries"
+            out.append({"at_s": round(at - since, 1), "moved": moved})
+            before = status
+        return out
+
+
+def _conditions_moved(old: list[JSON], new: list[JSON]) -> str:
+    """Which conditions changed, and whether only in their message."""
+    was = {c.get("type"): c for c in old}
+    said = []
+    for c in new:
+        prev = was.get(c.get("type")) or {}
+        if prev == c:
+            continue
+        same = all(prev.get(k) == c.get(k) for k in ("status", "reason"))
+        said.append(f"{c.get('type')}{' (message)' if same else '=' + str(c.get('status'))}")
+    return ", ".join(said)
 
 
 def wait(what: str, check: Callable[[], object], timeout: float, every: float = 0.2) -> float:
@@ -194,29 +236,10 @@ class Window:
         return self
 
     def requests(self, user: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for e in self.entries:
-            if (e.get("user") or {}).get("username") != user or e.get("verb") == "watch":
-                continue
-            ref = e.get("objectRef") or {}
-            if not ref.get("resource"):
-                continue
-            key = f"{e['verb']} {ref['resource']}" + (
-                f"/{ref['subresource']}" if ref.get("subresource") else ""
-            )
-            out[key] = out.get(key, 0) + 1
-        return out
+        return cluster_bench.requests_by(self.entries, user)
 
     def creates(self, user: str, resource: str = "pods") -> list[float]:
-        return sorted(
-            _stamp(e["stageTimestamp"])
-            for e in self.entries
-            if (e.get("user") or {}).get("username") == user
-            and e.get("verb") == "create"
-            and (e.get("objectRef") or {}).get("resource") == resource
-            and not (e.get("objectRef") or {}).get("subresource")
-            and (e.get("responseStatus") or {}).get("code") == 201
-        )
+        return sorted(at for _, at in cluster_bench.creates_by(self.entries, user, resource))
 
     def created_at(self, resource: str, name: str) -> float:
         for e in self.entries:
@@ -228,7 +251,7 @@ class Window:
                 and (e.get("responseStatus") or {}).get("code") == 201
                 and ref.get("namespace") == NS
             ):
-                return _stamp(e["stageTimestamp"])
+                return cluster_bench.stamp(e["stageTimestamp"])
         raise SystemExit(f"no create of {resource}/{name} in the audit log")
 
     def write_latency(self) -> tuple[float, int, int]:
@@ -242,7 +265,10 @@ class Window:
                 throttled += 1
             if e.get("verb") not in MUTATING or e.get("stage") != "ResponseComplete":
                 continue
-            spent.append(_stamp(e["stageTimestamp"]) - _stamp(e["requestReceivedTimestamp"]))
+            spent.append(
+                cluster_bench.stamp(e["stageTimestamp"])
+                - cluster_bench.stamp(e["requestReceivedTimestamp"])
+            )
         if not spent:
             return 0.0, 0, throttled
         spent.sort()
@@ -396,18 +422,7 @@ def pass_in_process(pods: int, count: int = 50) -> JSON:
 
 
 def ddpjob(name: str, pods: int) -> JSON:
-    return {
-        "apiVersion": "ddpjob.io/v1alpha1",
-        "kind": "DDPJob",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "replicas": pods,
-            "minReplicas": 1,
-            "maxReplicas": pods,
-            "nprocPerNode": 1,
-            "template": {"spec": {"containers": [TRAINER]}},
-        },
-    }
+    return cluster_bench.ddpjob(name, NS, pods, TRAINER)
 
 
 def batch_job(name: str, pods: int) -> JSON:
@@ -479,12 +494,25 @@ class Bench:
             "load": self.load(),
         }
 
-    def steady(self, name: str, seconds: float) -> JSON:
+    def steady(self, name: str, pods: int, seconds: float) -> JSON:
+        """Once every pod runs and the job says so (``readyReplicas`` and ``worldSize`` all of
+        them, at most 60 s later: how long it took is in the figures), ``seconds`` of nothing
+        to do."""
+        t_running = now()
+
+        def reported() -> bool:
+            status = self.status(name)
+            return status.get("readyReplicas") == pods and status.get("worldSize", 0) >= pods
+
+        whole = None
+        with contextlib.suppress(SystemExit):
+            wait(f"{name} to report all {pods} pods ready", reported, 60.0, every=0.5)
+            whole = round(now() - t_running, 1)
         time.sleep(3.0)
         window = self.window()
         cpu = self.operator.cpu()
         asked = self.cluster.hollow_stats()["agent_connections"]
-        started = time.monotonic()
+        started, t0 = time.monotonic(), now()
         time.sleep(seconds)
         spent = time.monotonic() - started
         cpu = self.operator.cpu() - cpu
@@ -492,9 +520,11 @@ class Bench:
         window.close()
         requests_ = window.requests(OPERATOR)
         return {
+            "reported_whole_s": whole,
             "seconds": round(spent, 1),
             "requests": requests_,
             "status_writes": requests_.get("patch ddpjobs/status", 0),
+            "status_changes": self.recorder.changes(name, t0, now()),
             "cpu_s": round(cpu, 2),
             "core_pct": round(100 * cpu / spent, 1),
             "agent_connects_per_s": round(asked / spent, 1),
@@ -584,6 +614,7 @@ class Bench:
             "charged_added": after.get("backoffCount", 0) - before.get("backoffCount", 0),
             "reasons": sorted({f.get("reason") for f in fresh}),
             "status_writes": requests_.get("patch ddpjobs/status", 0),
+            "status_changes": self.recorder.changes(name, t0, now()),
             "requests": requests_,
             "cpu_s": round(cpu, 2),
             "write_p99_s": round(p99, 3),
@@ -697,7 +728,7 @@ def run(args: argparse.Namespace, workdir: Path) -> JSON:
     cluster = ControlPlane(
         workdir / "cluster",
         nodes=0,
-        hollow=NODES,
+        hollow=args.nodes,
         before_controllers=fixtures.install_crd,
         # Kubernetes' defaults, not the tests' 6 s: a node is NotReady 50 s after its last
         # heartbeat (and a loaded machine does not make hollow nodes flap).
@@ -705,17 +736,7 @@ def run(args: argparse.Namespace, workdir: Path) -> JSON:
         node_monitor_grace=args.node_monitor_grace,
     )
     with cluster:
-        fixtures.install_rbac(cluster)
-        fixtures.kubectl_run(cluster, "create", "namespace", NS)
-        admin = cluster.admin()
-        fixtures.wait_for(
-            lambda: (
-                admin.session.get(
-                    f"{cluster.server}/api/v1/namespaces/{NS}/serviceaccounts/default"
-                ).ok
-            ),
-            "the namespace's default ServiceAccount",
-        )
+        cluster_bench.prepare(cluster, NS)
         operator = Operator(
             cluster, workdir, ask_agents=not args.no_ask_agents, profile=args.profile
         )
@@ -727,7 +748,7 @@ def run(args: argparse.Namespace, workdir: Path) -> JSON:
 
 
 def measure(bench: Bench, pods: int) -> JSON:
-    out: JSON = {"pods": pods, "nodes": NODES}
+    out: JSON = {"pods": pods, "nodes": bench.args.nodes}
     op = bench.operator
 
     # 1. the 64-pod job
@@ -745,7 +766,7 @@ def measure(bench: Bench, pods: int) -> JSON:
     out["start"] = start
     out["rss_after_start_mib"] = round(op.rss_mib(), 1)
     # 3. steady
-    steady = bench.steady("big", bench.args.quiet_seconds)
+    steady = bench.steady("big", pods, bench.args.quiet_seconds)
     out["steady"] = steady
     # 4. passes
     out["passes"] = bench.passes("big")
@@ -759,6 +780,10 @@ def measure(bench: Bench, pods: int) -> JSON:
     # 5. a node lost
     loss = bench.lose_node("big", pods)
     out["node_loss"] = loss
+    if bench.args.to_loss:
+        out["operator_cpu_s"] = round(op.cpu() - cpu0, 1)
+        out["table"] = [("(--to-loss: see the JSON)", "", "", "")]
+        return out
     # 6. scale down and up
     down = bench.scale("big", pods // 2)
     up = bench.scale("big", pods)

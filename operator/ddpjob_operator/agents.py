@@ -15,11 +15,20 @@ every 2 s was 512 connections a second and as many sockets at once, and a second
 operator's CPU per pass. So the answers are kept (:class:`Survey`, one per job), and a pass asks
 only as many pods as an operator-wide :class:`Budget` allows (:data:`MAX_ASKS_PER_SECOND`, a
 burst of :data:`ASK_BURST`): first the pods never asked at their address, then the pod that
-hosts the store, then those asked longest ago. A job of up to 64 pods is asked whole every 2 s,
-as before; a job of 1,024 pods is swept in about 26 s, and its new pods and its store host are
-asked at once. An answer older than :data:`KEEP_SECONDS` counts as none. The world is the one
-of the newest round that any kept answer names, so an answer kept from an older round does not
-hold the world up.
+hosts the store, then those that did not answer their first question (asked once more
+:data:`ASK_EVERY_SECONDS` later: an agent not listening yet, or slow on a loaded node, counted
+as not ready for a whole sweep, and a 1,024-pod start ended in a status write 10 s later with
+1,018 of 1,024 ready); once the store's host has fallen silent (or said it no longer hosts),
+the :data:`SUCCESSORS` lowest-indexed pods that answer, at most once a second, until one says
+it hosts (its successor is the lowest-ranked survivor, docs/agent.md, store failover: found as
+soon as it takes over, not in its turn of the sweep), for :data:`KEEP_SECONDS` at most; then
+the other pods of a node where a pod fell silent (pods of a node are lost together: a node of
+64 is found in a pass or two, not one pod after another over the sweep, each a change of the
+job's counts); then those asked longest ago. A job of up to 64
+pods is asked whole every 2 s, as before; a job of 1,024 pods is swept in about 26 s, and its
+new pods and its store host are asked at once. An answer older than :data:`KEEP_SECONDS`
+counts as none. The world is the one of the newest round that any kept answer names, so an
+answer kept from an older round does not hold the world up.
 
 The answers only ever lower what the API says: a pod whose agent answers that it does not train
 is not ready, and when some agents answer and one does not, that one is not ready either (its
@@ -46,6 +55,8 @@ MAX_ASKS_PER_SECOND = 32.0
 """Questions (new connections) per second, for all jobs together, on average."""
 ASK_BURST = 64
 """Questions at once at most (a job of up to this many pods is asked whole)."""
+SUCCESSORS = 16
+"""Pods asked while the store's host is not known, the lowest-indexed that answer."""
 KEEP_SECONDS = 60.0
 """How long an answer is kept (then the pod counts as not asked: the API's view)."""
 _MAX_ANSWER = 4096
@@ -145,6 +156,8 @@ class _Kept:
     ip: str
     answer: AgentAnswer | None
     at: float
+    silent: int = 0
+    """Questions in a row at this address that got no answer."""
 
 
 class Survey:
@@ -152,10 +165,17 @@ class Survey:
 
     def __init__(self) -> None:
         self._kept: dict[str, _Kept] = {}
+        self._host: str | None = None
+        """The pod whose agent last said it hosts the store."""
+        self._host_lost: float | None = None
+        """When that pod fell silent, or said it no longer hosts (None: a host is known, or
+        none ever was)."""
 
     def pick(self, pods: Sequence[ObservedPod], budget: Budget, now: float) -> list[ObservedPod]:
-        """The pods to ask now: never asked at their address, then the store's host, then the
-        longest unasked; as many as ``budget`` grants."""
+        """The pods to ask now: never asked at their address, then the store's host, then those
+        silent at their first question once more, then (the host lost) its likely successors,
+        then those asked before a pod of their node fell silent, then the longest unasked; as
+        many as ``budget`` grants."""
         candidates = [p for p in pods if askable(p)]
         if not candidates:
             return []
@@ -167,22 +187,61 @@ class Survey:
                 if k.answer is not None and k.answer.host
             ]
             host = max(hosts)[1] if hosts else None
+        silent: dict[str, float] = {}
+        """node -> when a pod there was last found silent."""
+        for pod in pods:
+            kept = self._kept.get(pod.name)
+            if pod.node and kept is not None and kept.answer is None:
+                silent[pod.node] = max(kept.at, silent.get(pod.node, kept.at))
+        successors = self._successors(candidates, now)
 
         def order(pod: ObservedPod) -> tuple[int, float, int]:
             kept = self._kept.get(pod.name)
             if kept is None or kept.ip != pod.ip:
                 return (0, 0.0, pod.index)
-            return (1 if pod.name == host else 2, kept.at, pod.index)
+            if pod.name == host:
+                return (1, kept.at, pod.index)
+            if kept.silent == 1 and now - kept.at >= ASK_EVERY_SECONDS:
+                return (2, kept.at, pod.index)  # its first question went unanswered
+            if pod.name in successors:
+                return (3, float(pod.index), pod.index)
+            if kept.answer is not None and pod.node in silent and kept.at < silent[pod.node]:
+                return (4, kept.at, pod.index)
+            return (5, kept.at, pod.index)
 
         ordered = sorted(candidates, key=order)
         return ordered[: budget.take(len(ordered), now)]
+
+    def _successors(self, candidates: Sequence[ObservedPod], now: float) -> set[str]:
+        """While the store's host is lost (for :data:`KEEP_SECONDS` at most): the
+        :data:`SUCCESSORS` lowest-indexed pods that answered, those not asked this second."""
+        lost = self._host_lost
+        if lost is None or now - lost >= KEEP_SECONDS:
+            return set()
+        answering = sorted(
+            (p.index, p.name)
+            for p in candidates
+            if (kept := self._kept.get(p.name)) is not None
+            and kept.ip == p.ip
+            and kept.answer is not None
+        )
+        return {name for _, name in answering[:SUCCESSORS] if now - self._kept[name].at >= 1.0}
 
     def record(
         self, answers: Mapping[str, AgentAnswer | None], pods: Sequence[ObservedPod], now: float
     ) -> None:
         ips = {p.name: str(p.ip) for p in pods}
         for name, answer in answers.items():
-            self._kept[name] = _Kept(ips.get(name, ""), answer, now)
+            ip = ips.get(name, "")
+            before = self._kept.get(name)
+            silent = 0
+            if answer is None:
+                silent = 1 + (before.silent if before is not None and before.ip == ip else 0)
+            self._kept[name] = _Kept(ip, answer, now, silent)
+            if answer is not None and answer.host:
+                self._host, self._host_lost = name, None
+            elif name == self._host:
+                self._host, self._host_lost = None, now
 
     def answers(self, pods: Sequence[ObservedPod], now: float) -> dict[str, AgentAnswer | None]:
         """The kept answers of the pods still at the address they were asked at (and younger

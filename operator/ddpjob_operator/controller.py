@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -38,6 +39,7 @@ from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 from ddpjob_operator.reconcile import (
     INVALID_SPEC,
+    LARGE_JOB_PODS,
     Action,
     CreatePod,
     CreateService,
@@ -69,13 +71,17 @@ MAX_FAILED_ACTION_EVENTS = 10
 """ActionFailed events a pass emits (one per distinct error); the rest go to the log only."""
 EXPECTATION_SECONDS = 15.0
 """How long a write we made may take to show in kopf's indexes before we act again."""
-SETTLE_PODS = 64
+SETTLE_PODS = LARGE_JOB_PODS
 """A job of more pods than this writes a status that only moves its counts (see
-:func:`counts_only`) at most every :data:`SETTLE_SECONDS`; a smaller job writes each change."""
+:func:`counts_only`) :data:`SETTLE_SECONDS` after the first such change that it did not write;
+a smaller job writes each change."""
 SETTLE_SECONDS = 10.0
-"""How long a large job's counts wait after its last status write. A pass per pod event wrote
-the status of a 1,024-pod job every 0.55 s for 30 s after a node was lost (each pass found one
-more silent agent: 50 writes); the Job controller batches its syncs by the second."""
+"""How long a large job's new counts wait to be written. A pass per pod event wrote the status
+of a 1,024-pod job every 0.55 s for 30 s after a node was lost (each pass found one more silent
+agent: 50 writes); the Job controller batches its syncs by the second."""
+ALONE = math.inf
+""":func:`settle_for`'s answer for a change that is never written alone (it waits for the next
+write that something else makes)."""
 
 
 @dataclasses.dataclass
@@ -180,17 +186,19 @@ class _Written:
 
     replaced: str
     job: JSON
-    at: float = 0.0
-    """When (``time.monotonic``)."""
 
 
 def counts_only(old: api.DDPJobStatus, new: api.DDPJobStatus) -> bool:
     """Whether ``new`` differs from ``old`` only in its counts of pods as they come and go:
-    ``replicas``, ``readyReplicas``, ``worldSize`` and the conditions' messages. Everything
-    else is written at once: the phase, a condition's status or reason, what was counted and
-    charged, ``accountedPods`` and the back-off (a pass acts only once its status says so), the
-    waiting pods (their Events follow what the status lists), the store's host, the generation
-    seen."""
+    ``replicas``, ``readyReplicas``, ``worldSize``, the store's host (what the agents say, which
+    nothing acts on: unknown for a moment when its pod falls silent, then its successor) and the
+    conditions' messages, and in uids that left ``accountedPods`` (their pods no longer carry
+    our finalizer: nothing is left to do with them). Everything else is written at once: the
+    phase, a condition's status or reason, what was counted and charged, a uid that joins
+    ``accountedPods`` and the back-off (a pass acts only once its status says so), the waiting
+    pods (their Events follow what the status lists), the generation seen."""
+    if not set(new.accounted_pods) <= set(old.accounted_pods):
+        return False
     return _without_counts(old) == _without_counts(new)
 
 
@@ -200,23 +208,57 @@ def _without_counts(status: api.DDPJobStatus) -> api.DDPJobStatus:
             "replicas": 0,
             "ready_replicas": 0,
             "world_size": 0,
+            "store_host": None,
+            "accounted_pods": [],
             "conditions": [c.model_copy(update={"message": ""}) for c in status.conditions],
         }
     )
 
 
+def whole(status: api.DDPJobStatus, desired: int, nproc: int) -> bool:
+    """The job is whole: every one of its ``desired`` pods there and ready, and the world they
+    train in (as their agents say, when asked) all of them. Not merely every pod that is left:
+    a lost node's pods, once deleted, are no longer counted in ``replicas``, and the rest are
+    all ready."""
+    return (
+        desired > 0
+        and status.replicas == desired
+        and status.ready_replicas >= desired
+        and status.world_size >= desired * nproc
+    )
+
+
 def settle_for(
-    old: api.DDPJobStatus, new: api.DDPJobStatus, pods: int, written_at: float | None, now: float
+    old: api.DDPJobStatus,
+    new: api.DDPJobStatus,
+    pods: int,
+    pending_since: float | None,
+    now: float,
+    complete: bool = False,
 ) -> float | None:
-    """Seconds the write of ``new`` over ``old`` waits, or None: write now. A status in which
-    every pod is ready is written now: the end of a start or of a recovery, which users wait
-    for (and which, deferred, landed in the steady state)."""
-    if pods <= SETTLE_PODS or written_at is None or not counts_only(old, new):
+    """Seconds the write of ``new`` over ``old`` waits, or None: write now.
+
+    A job of up to :data:`SETTLE_PODS` pods writes each change now, and so does every job for
+    anything but its counts (:func:`counts_only`). A large job's counts wait
+    :data:`SETTLE_SECONDS` from ``pending_since``, when it first saw counts it did not write
+    (None: now), so that a burst of changes (a start, a lost node's agents falling silent,
+    replacements coming up) is written once; a ``complete`` status, in which the job is
+    :func:`whole`, is written now: the end of a start or of a recovery, which users wait for
+    (and which, deferred, landed in the steady state). A status that only lets uids go from
+    ``accountedPods`` is never written alone (:data:`ALONE`): the next write takes it along."""
+    if pods <= SETTLE_PODS or not counts_only(old, new):
         return None
-    if new.replicas > 0 and new.ready_replicas >= new.replicas:
+    if _without_uids(old) == _without_uids(new):
+        return ALONE
+    if complete:
         return None
-    left = written_at + SETTLE_SECONDS - now
+    since = now if pending_since is None else pending_since
+    left = since + SETTLE_SECONDS - now
     return left if left > 0 else None
+
+
+def _without_uids(status: api.DDPJobStatus) -> api.DDPJobStatus:
+    return status.model_copy(update={"accounted_pods": []})
 
 
 class Controller:
@@ -230,6 +272,8 @@ class Controller:
         """The operator is exiting: a job loop that kopf starts now must not run a pass."""
         self._wakeups: dict[Key, asyncio.Event] = {}
         self._written: dict[Key, _Written] = {}
+        self._unwritten: dict[Key, float] = {}
+        """When a large job first had counts that it did not write (:func:`settle_for`)."""
         self._phases: dict[Key, api.JobPhase] = {}
         self._in_flight: dict[Key, _Pass] = {}
         self._policies: set[Key] = set()
@@ -293,6 +337,7 @@ class Controller:
         finally:
             self._wakeups.pop(key, None)
             self._written.pop(key, None)
+            self._unwritten.pop(key, None)
             self._phases.pop(key, None)
             self._policies.discard(key)
             self._store_keys.discard(key)
@@ -381,16 +426,10 @@ class Controller:
             dt.datetime.now(dt.UTC),
             default_profile=self.config.security_profile,
         )
-        settle: float | None = None
-        if decision.status != job.status:
-            written = self._written.get(key)
-            settle = settle_for(
-                job.status,
-                decision.status,
-                len(everyone),
-                written.at if written is not None else None,
-                time.monotonic(),
-            )
+        desired = desired_replicas(job.spec)
+        if admission is not None:
+            desired = min(desired, admission.count)
+        settle = self._settle(key, job, decision, len(everyone), desired)
         if decision.status != job.status and settle is None:
             await self._write_status(
                 key, raw, decision.status.model_dump(by_alias=True, mode="json")
@@ -440,9 +479,27 @@ class Controller:
         poll = None if kueue is None else queue.poll_after(kueue, job.status.phase.is_finished)
         if poll is not None:
             due = min(due or poll, poll)
-        if settle is not None:
+        if settle is not None and settle != ALONE:
             due = min(due or settle, settle)
         return due
+
+    def _settle(
+        self, key: Key, job: api.DDPJob, decision: Decision, pods: int, desired: int
+    ) -> float | None:
+        """How long the status the pass decided waits (:func:`settle_for`); None: write it now
+        (or there is nothing to write)."""
+        settle: float | None = None
+        clock = time.monotonic()
+        if decision.status != job.status:
+            complete = whole(decision.status, desired, builders.nproc_per_node(job.spec))
+            settle = settle_for(
+                job.status, decision.status, pods, self._unwritten.get(key), clock, complete
+            )
+        if settle is None or settle == ALONE:
+            self._unwritten.pop(key, None)  # no counts wait (or they are written now)
+        else:
+            self._unwritten.setdefault(key, clock)
+        return settle
 
     async def _ask_agents(
         self, key: Key, job: api.DDPJob, seen: tuple[ObservedPod, ...]
@@ -460,7 +517,7 @@ class Controller:
     async def _write_status(self, key: Key, raw: JSON, status: JSON) -> None:
         version = str(raw.get("metadata", {}).get("resourceVersion", ""))
         written = await self.kube.write_status(*key, version, status)
-        self._written[key] = _Written(replaced=version, job=written, at=time.monotonic())
+        self._written[key] = _Written(replaced=version, job=written)
 
     def _account_metrics(self, job: api.DDPJob, decision: Decision) -> None:
         new = decision.status.restarts - job.status.restarts

@@ -60,8 +60,14 @@ gang in :mod:`~ddpjob_operator.gang`, Kueue's side in :mod:`~ddpjob_operator.que
   job's PodGroup if it asks for a gang, the cluster serves PodGroups and no live pod was made
   without the group; ``GangScheduled`` says where the gang is.
 * A pod still Terminating ``forceDeleteAfterSeconds`` after its grace period ended (its node is
-  lost; no kubelet will confirm) is force-deleted, and the pass asks to be requeued when that is
-  due, so the job never wedges (kubeflow trainer#2072).
+  lost; no kubelet will confirm) is force-deleted once it is counted, and the pass asks to be
+  requeued when that is due, so the job never wedges (kubeflow trainer#2072).
+* A job of more than :data:`LARGE_JOB_PODS` pods counts the pods that others delete while their
+  containers still run (no kubelet has confirmed the end) once such deletions stop coming
+  (:func:`held_deletions`): the taint manager deletes a lost node's 64 pods over seconds, and
+  each pass that saw a few more wrote a status to count them. They are counted together, at
+  most :data:`DELETION_BATCH_SECONDS` after the first; a pod whose kubelet confirms its end is
+  counted at once (its replacement waits for it), and nothing is done to a held pod meanwhile.
 * Back-off per pod index (``spec.podBackoff``): after a charged failure, or one whose trainer
   never started (the kubelet rejected it at admission: ``OutOfcpu``,
   ``UnexpectedAdmissionError``...; the same node would reject the next one in a tight loop),
@@ -120,6 +126,14 @@ INVALID_SPEC = "InvalidSpec"
 """The condition (and reason) of a spec the operator cannot parse; never terminal."""
 DEFERRED_REQUEUE = 1.0
 """Seconds until the next pass when this one left work for it (the per-pass bounds)."""
+LARGE_JOB_PODS = 64
+"""A job of more pods than this counts a burst of deletions together (:func:`held_deletions`);
+the controller settles its counts too (``controller.SETTLE_PODS``)."""
+DELETION_QUIET_SECONDS = 2.0
+"""A burst of deletions is over when none was asked for this long (the taint manager deletes a
+lost node's pods at kube-controller-manager's 20 requests a second: one every 0.1 s)."""
+DELETION_BATCH_SECONDS = 10.0
+"""A held deletion is counted this long after the first of its burst at the latest."""
 STRANDED_AFTER_SECONDS = 30.0
 """How long a completing job still waits for its pods that are not ready after its first pod
 succeeded: a member of the last round may still be on its way out (a pod succeeds after the
@@ -231,10 +245,18 @@ class Buckets:
     deferred: tuple[ObservedPod, ...] = ()
     """Tracked and ended, not yet in the status, and left for the next pass (the per-pass
     bound): never deleted before they are counted."""
+    held: tuple[ObservedPod, ...] = ()
+    """Being deleted by others while they still run, not yet in the status, and counted once
+    the burst of deletions is over (:func:`held_deletions`): nothing is done to them."""
 
     @property
     def live(self) -> tuple[ObservedPod, ...]:
         return self.active + self.surplus
+
+    @property
+    def waiting_count(self) -> tuple[ObservedPod, ...]:
+        """Ended, and left uncounted by this pass (deferred or held)."""
+        return self.deferred + self.held
 
 
 def sort_pods(
@@ -242,12 +264,18 @@ def sort_pods(
     accounted: Iterable[str],
     desired: int,
     limit: int | None = None,
+    hold: Iterable[str] = (),
 ) -> Buckets:
     """The buckets; at most ``limit`` pods are counted in this pass (the others wait for the
-    next one, and a failed one among them is not deleted before it is counted)."""
+    next one, and a failed one among them is not deleted before it is counted), and none of
+    ``hold`` (uids: see :func:`held_deletions`)."""
     done = set(accounted)
+    waits = set(hold)
     ordered = sorted(pods, key=lambda p: (p.index, p.name))
-    candidates = tuple(p for p in ordered if p.tracked and p.ended and p.uid not in done)
+    held = tuple(p for p in ordered if p.tracked and p.ended and p.uid in waits - done)
+    candidates = tuple(
+        p for p in ordered if p.tracked and p.ended and p.uid not in done and p.uid not in waits
+    )
     uncounted = candidates if limit is None else candidates[: max(0, limit)]
     fresh = {p.uid for p in uncounted}
     deferred = {p.uid for p in candidates} - fresh
@@ -261,10 +289,47 @@ def sort_pods(
             if p.phase is PodPhase.FAILED and not p.deleting and p.uid not in deferred
         ),
         uncounted=uncounted,
-        terminating_by_us=tuple(p for p in ordered if p.deleting and p.uid not in fresh | deferred),
+        terminating_by_us=tuple(
+            p for p in ordered if p.deleting and p.uid not in fresh | deferred | waits
+        ),
         terminating_by_others=tuple(p for p in ordered if p.deleting and p.uid in fresh),
         deferred=tuple(p for p in candidates if p.uid in deferred),
+        held=held,
     )
+
+
+def held_deletions(
+    pods: Sequence[ObservedPod], accounted: Iterable[str], now: dt.datetime
+) -> tuple[frozenset[str], float | None]:
+    """The pods whose count waits for the end of a burst of deletions, and in how many seconds
+    it ends: every pod of a job of more than :data:`LARGE_JOB_PODS` that someone else is
+    deleting while it still runs (tracked, not counted, its phase not terminal: no kubelet has
+    confirmed its end), as long as the newest such deletion is younger than
+    :data:`DELETION_QUIET_SECONDS` and the oldest younger than :data:`DELETION_BATCH_SECONDS`.
+
+    Why waiting is safe: our finalizer holds the pod, so it cannot vanish uncounted, and it is
+    not replaced before it is gone; a kubelet that confirms the end (a terminal phase) ends the
+    wait for that pod, which is then counted at once. The deletion's time is the API server's
+    (``deletionTimestamp`` less the grace period), read against this clock as the force delete
+    is. Deterministic: an operator that restarts, or a pass after a dropped watch, holds the
+    same pods."""
+    if len(pods) <= LARGE_JOB_PODS:
+        return frozenset(), None
+    done = set(accounted)
+    asked = [
+        (p.uid, p.deletion_requested_at)
+        for p in pods
+        if p.tracked and p.deleting and not p.phase.terminated and p.uid not in done
+    ]
+    times = [at for _, at in asked if at is not None]
+    if not times or len(times) < len(asked):
+        return frozenset(), None
+    quiet = max(times) + dt.timedelta(seconds=DELETION_QUIET_SECONDS)
+    latest = min(times) + dt.timedelta(seconds=DELETION_BATCH_SECONDS)
+    due = min(quiet, latest)
+    if now >= due:
+        return frozenset(), None
+    return frozenset(uid for uid, _ in asked), (due - now).total_seconds()
 
 
 # ---- failure accounting ----------------------------------------------------------------------
@@ -363,20 +428,27 @@ def _release_all(pods: Sequence[ObservedPod]) -> list[Action]:
 
 
 def _force_stuck(
-    job: api.DDPJob, pods: Sequence[ObservedPod], now: dt.datetime
+    job: api.DDPJob,
+    pods: Sequence[ObservedPod],
+    now: dt.datetime,
+    uncounted: Iterable[ObservedPod] = (),
 ) -> tuple[list[Action], float | None]:
-    """Force-delete pods stuck Terminating past their bound; when the next bound is due."""
+    """Force-delete pods stuck Terminating past their bound; when the next bound is due. A pod
+    not counted yet (held, or left for the next pass by the per-pass bound) waits for its
+    count: deleted by us, it would join ``accountedPods`` uncounted (the next pass counts it,
+    and then forces it)."""
     slack = dt.timedelta(seconds=job.spec.force_delete_after_seconds)
+    waits = {p.uid for p in uncounted}
     actions: list[Action] = []
     due: list[float] = []
     for pod in sorted(pods, key=lambda p: p.index):
         if not pod.deleting or pod.deletion_timestamp is None:
             continue
         bound = pod.deletion_timestamp + slack
-        if now >= bound:
-            actions.append(DeletePod(pod.name, pod.uid, pod.index, DeleteWhy.STUCK, force=True))
-        else:
+        if now < bound:
             due.append((bound - now).total_seconds())
+        elif pod.uid not in waits:
+            actions.append(DeletePod(pod.name, pod.uid, pod.index, DeleteWhy.STUCK, force=True))
     return actions, min(due, default=None)
 
 
@@ -591,6 +663,8 @@ class _Facts:
     buckets: Buckets
     room: int
     """Uids the pass may still add to ``accountedPods`` once it has counted (the bound)."""
+    hold_due: float | None = None
+    """Seconds until the held deletions are counted (:func:`held_deletions`), if any."""
 
     @classmethod
     def start(
@@ -606,11 +680,26 @@ class _Facts:
         foreign = tuple(p for p in observed.pods if not p.owned_by(job.metadata.uid))
         admitted = observed.queue.count if observed.queue else queue.UNBOUNDED
         desired = min(desired_replicas(job.spec), admitted)
-        room = max(0, MAX_NEW_ACCOUNTED - len(status.accounted_pods))
-        buckets = sort_pods(pods, status.accounted_pods, desired, limit=room)
+        # Uids of pods that no longer carry our finalizer leave accountedPods with the next
+        # status write; they take no room meanwhile (a large job writes no status for them
+        # alone: controller.settle_for).
+        tracked = {p.uid for p in pods if p.tracked}
+        room = max(0, MAX_NEW_ACCOUNTED - len(tracked.intersection(status.accounted_pods)))
+        hold, hold_due = held_deletions(pods, status.accounted_pods, now)
+        buckets = sort_pods(pods, status.accounted_pods, desired, limit=room, hold=hold)
         room -= len(buckets.uncounted)
         return cls(
-            job, observed, now, network, default_profile, pods, foreign, desired, buckets, room
+            job,
+            observed,
+            now,
+            network,
+            default_profile,
+            pods,
+            foreign,
+            desired,
+            buckets,
+            room,
+            hold_due,
         )
 
 
@@ -700,9 +789,10 @@ def _suspend(
         DeletePod(p.name, p.uid, p.index, why) for p in sorted(doomed, key=lambda p: -p.index)
     ]
     actions, held_back = _limit_deletes(wanted, pods, set(status.accounted_pods), facts.room)
-    stuck, requeue = _force_stuck(facts.job, pods, now)
+    stuck, requeue = _force_stuck(facts.job, pods, now, facts.buckets.waiting_count)
     if held_back or deferred:
         requeue = _sooner(requeue, DEFERRED_REQUEUE)
+    requeue = _sooner(requeue, facts.hold_due)
     actions += stuck
     accounted, removals = _bookkeeping(pods, status, facts.buckets.uncounted, actions)
     told: list[Event] = []
@@ -807,7 +897,7 @@ def _run(facts: _Facts, status: DDPJobStatus, failures: Sequence[PodFailure]) ->
     actions, deferred = _limit_deletes(
         plan.actions, facts.pods, set(status.accounted_pods), facts.room
     )
-    stuck, stuck_due = _force_stuck(job, facts.pods, now)
+    stuck, stuck_due = _force_stuck(job, facts.pods, now, buckets.waiting_count)
     actions += stuck
     accounted, removals = _bookkeeping(facts.pods, status, buckets.uncounted, actions)
     actions += removals
@@ -849,6 +939,7 @@ def _run(facts: _Facts, status: DDPJobStatus, failures: Sequence[PodFailure]) ->
     requeue = _sooner(requeue, stranded_due)
     if deferred or buckets.deferred:
         requeue = _sooner(requeue, DEFERRED_REQUEUE)
+    requeue = _sooner(requeue, facts.hold_due)
     return Decision(tuple(actions), status, tuple(told), requeue)
 
 

@@ -54,7 +54,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import datetime as dt
 import http.server
 import json
 import logging
@@ -73,6 +72,14 @@ import requests
 
 from tests.kube import network, runtime
 from tests.kube.client import ApiError, Client, Endpoint
+from tests.kube.podstatus import (
+    KUBELET_OWNED,
+    condition,
+    micro_time,
+    pod_status,
+    rfc3339,
+    watch_bound,
+)
 
 JSON = dict[str, Any]
 log = logging.getLogger("hollow-kubelet")
@@ -81,19 +88,9 @@ RESYNC_SECONDS = 5.0
 """How often the API's copy of a pod's status is compared with ours (a lost node's pods were
 marked not ready by the node lifecycle controller meanwhile, say)."""
 STOPPED_EXIT = 143
-KUBELET_OWNED = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
 SILENT_HOLD_SECONDS = 10.0
 """How long a connection to a lost node's pod is held without an answer."""
 AGENT_PORT = 29401
-
-
-def rfc3339(when: float | None = None) -> str:
-    moment = dt.datetime.fromtimestamp(time.time() if when is None else when, dt.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def micro_time() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # ---- configuration -------------------------------------------------------------------------
@@ -245,62 +242,37 @@ class HollowPod:
             else:
                 c.terminated = ended
 
-    def condition(self, kind: str, value: bool, reason: str = "") -> JSON:
-        status = "True" if value else "False"
-        previous = self.transitions.get(kind)
-        if previous is None or previous[0] != status:
-            self.transitions[kind] = (status, rfc3339())
-        return {
-            "type": kind,
-            "status": status,
-            "lastProbeTime": None,
-            "lastTransitionTime": self.transitions[kind][1],
-            "reason": reason or None,
-            "message": None,
-        }
-
     def status(self, host_ip: str) -> JSON:
         phase = self.phase
         terminal = phase != "Running"
         ready = not terminal
         not_ready = "PodCompleted" if terminal else ""
-        status: JSON = {
-            "phase": phase,
-            "hostIP": host_ip,
-            "hostIPs": [{"ip": host_ip}],
-            "podIP": self.ip,
-            "podIPs": [{"ip": self.ip}],
-            "startTime": self.start_time,
-            "conditions": [
-                self.condition("PodReadyToStartContainers", not terminal),
-                self.condition("Initialized", True),
-                self.condition("ContainersReady", ready, not_ready),
-                self.condition("Ready", ready, not_ready),
-            ],
-            "containerStatuses": sorted(
-                (c.status() for c in self.containers), key=lambda s: str(s["name"])
-            ),
-        }
-        if self.init:
-            status["initContainerStatuses"] = [
-                {
-                    "name": name,
-                    "image": "",
-                    "imageID": "hollow://",
-                    "ready": True,
-                    "restartCount": 0,
-                    "state": {
-                        "terminated": {
-                            "exitCode": 0,
-                            "reason": "Completed",
-                            "startedAt": self.start_time,
-                            "finishedAt": self.start_time,
-                        }
-                    },
-                }
-                for name in self.init
-            ]
-        return status
+        conditions = [
+            condition(self.transitions, "PodReadyToStartContainers", not terminal),
+            condition(self.transitions, "Initialized", True),
+            condition(self.transitions, "ContainersReady", ready, not_ready),
+            condition(self.transitions, "Ready", ready, not_ready),
+        ]
+        init = [
+            {
+                "name": name,
+                "image": "",
+                "imageID": "hollow://",
+                "ready": True,
+                "restartCount": 0,
+                "state": {
+                    "terminated": {
+                        "exitCode": 0,
+                        "reason": "Completed",
+                        "startedAt": self.start_time,
+                        "finishedAt": self.start_time,
+                    }
+                },
+            }
+            for name in self.init
+        ]
+        containers = [c.status() for c in self.containers]
+        return pod_status(phase, host_ip, self.ip, self.start_time, conditions, containers, init)
 
 
 def drifted(api_status: Mapping[str, Any], ours: Mapping[str, Any]) -> bool:
@@ -447,27 +419,7 @@ class HollowNode:
 
     def watch(self, stop: threading.Event) -> None:
         api = Client(self.endpoint, self.api.session.headers["User-Agent"])
-
-        def listed(items: list[JSON]) -> None:
-            with self.lock:
-                self.seen = {
-                    p["metadata"]["uid"]: p
-                    for p in items
-                    if p["metadata"]["uid"] not in self.deleted
-                }
-            self.wake.set()
-
-        def event(kind: str, pod: JSON) -> None:
-            uid = pod["metadata"]["uid"]
-            with self.lock:
-                if kind == "DELETED":
-                    self.seen.pop(uid, None)
-                    self.deleted.add(uid)
-                elif uid not in self.deleted:
-                    self.seen[uid] = pod
-            self.wake.set()
-
-        api.watch("/api/v1/pods", listed, event, stop, fieldSelector=f"spec.nodeName={self.name}")
+        watch_bound(api, self.name, self, stop)
 
     def tell_exit(self, uids: Iterable[str], code: int) -> None:
         with self.lock:

@@ -46,7 +46,6 @@ import base64
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime as dt
 import functools
 import http.client
 import http.server
@@ -80,8 +79,9 @@ from ddpjob_operator.local.pods import (
     container_env,
     spawn,
 )
-from tests.kube import network, pki, runtime
+from tests.kube import network, pki, podstatus, runtime
 from tests.kube.client import ApiError, Client, Endpoint
+from tests.kube.podstatus import condition, micro_time, rfc3339
 
 JSON = dict[str, Any]
 log = logging.getLogger("process-kubelet")
@@ -102,16 +102,6 @@ BACKOFF_START = 10.0
 BACKOFF_MAX = 300.0
 VOLUME_RETRY = 5.0
 DEFAULT_GRACE = 30
-KUBELET_OWNED = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
-
-
-def rfc3339(when: float | None = None) -> str:
-    moment = dt.datetime.fromtimestamp(time.time() if when is None else when, dt.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def micro_time() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # ---- configuration -------------------------------------------------------------------------
@@ -305,19 +295,7 @@ def pod_phase(pod: Pod) -> str:
 
 
 def _condition(pod: Pod, kind: str, status: bool, reason: str = "", message: str = "") -> JSON:
-    value = "True" if status else "False"
-    previous = pod.transitions.get(kind)
-    if previous is None or previous[0] != value:
-        pod.transitions[kind] = (value, rfc3339())
-    # null, not absent: a strategic merge patch keeps the fields it is not told to delete.
-    return {
-        "type": kind,
-        "status": value,
-        "lastProbeTime": None,
-        "lastTransitionTime": pod.transitions[kind][1],
-        "reason": reason or None,
-        "message": message or None,
-    }
+    return condition(pod.transitions, kind, status, reason, message)
 
 
 def pod_conditions(pod: Pod, phase: str) -> list[JSON]:
@@ -358,24 +336,12 @@ def pod_conditions(pod: Pod, phase: str) -> list[JSON]:
 def pod_status(pod: Pod, host_ip: str) -> JSON:
     phase = pod_phase(pod)
     image_id = "process-kubelet://"
-    status: JSON = {
-        "phase": phase,
-        "hostIP": host_ip,
-        "hostIPs": [{"ip": host_ip}],
-        "podIP": pod.ip,
-        "podIPs": [{"ip": pod.ip}],
-        "startTime": pod.start_time,
-        "conditions": pod_conditions(pod, phase),
-        "containerStatuses": sorted(
-            (c.status(image_id + str(c.spec.get("image", ""))) for c in pod.containers),
-            key=lambda s: str(s["name"]),
-        ),
-    }
-    if pod.init:
-        status["initContainerStatuses"] = [
-            c.status(image_id + str(c.spec.get("image", ""))) for c in pod.init
-        ]
-    return status
+    containers = [c.status(image_id + str(c.spec.get("image", ""))) for c in pod.containers]
+    init = [c.status(image_id + str(c.spec.get("image", ""))) for c in pod.init]
+    conditions = pod_conditions(pod, phase)
+    return podstatus.pod_status(
+        phase, host_ip, pod.ip, pod.start_time, conditions, containers, init
+    )
 
 
 # ---- the kubelet ---------------------------------------------------------------------------
@@ -545,33 +511,7 @@ class Kubelet:
 
     def watch_pods(self) -> None:
         api = Client(self.endpoint, self.api.session.headers["User-Agent"])
-
-        def listed(items: list[JSON]) -> None:
-            with self.lock:
-                self.seen = {
-                    p["metadata"]["uid"]: p
-                    for p in items
-                    if p["metadata"]["uid"] not in self.deleted
-                }
-            self.wake.set()
-
-        def event(kind: str, pod: JSON) -> None:
-            uid = pod["metadata"]["uid"]
-            with self.lock:
-                if kind == "DELETED":
-                    self.seen.pop(uid, None)
-                    self.deleted.add(uid)
-                elif uid not in self.deleted:
-                    self.seen[uid] = pod
-            self.wake.set()
-
-        api.watch(
-            "/api/v1/pods",
-            listed,
-            event,
-            self.stop,
-            fieldSelector=f"spec.nodeName={self.config.node}",
-        )
+        podstatus.watch_bound(api, self.config.node, self, self.stop)
 
     # ---- the sync loop --------------------------------------------------------------------
 

@@ -189,6 +189,62 @@ def test_the_host_is_asked_first_among_pods_asked_before() -> None:
     assert [p.name for p in survey.pick(pods, budget, 5.0)] == ["demo-worker-2"]
 
 
+def test_a_silent_pods_node_is_asked_next() -> None:
+    """Pods of a node are lost together: once one is found silent, the others of its node that
+    were asked before that are asked next (a node of 64 in a pass, not one by one over the
+    sweep, each a change of the job's counts), then the sweep goes on."""
+    pods = [pod(i, ip=f"10.0.{i // 200}.{i % 200}", node=f"node-{i // 64}") for i in range(1024)]
+    survey, budget = agents.Survey(), agents.Budget(rate=32.0, burst=64, now=0.0)
+    running = {p.name: AgentAnswer(p.index, "running", 1024, host=False, gen=1) for p in pods}
+    survey.record(running, pods, 0.0)
+    # Pod 1,000 (node 15: pods 960-1,023) is asked first in its turn, and is silent.
+    survey.record({"demo-worker-1000": None}, pods, 1.0)
+    asked = survey.pick(pods, budget, 2.0)
+    assert sorted(p.index for p in asked[:63]) == [i for i in range(960, 1024) if i != 1000]
+    assert [p.index for p in asked[63:]] == [0]  # then the sweep, the longest unasked first
+    survey.record(dict.fromkeys((p.name for p in asked[:63]), None), asked[:63], 2.0)
+    survey.record({"demo-worker-0": running["demo-worker-0"]}, asked[63:], 2.0)
+    # Asked since: the sweep goes on, and the silent ones are asked once more ASK_EVERY_SECONDS
+    # after their first silence (an agent not listening yet, or slow), then left to the sweep.
+    later = survey.pick(pods, budget, 3.0)
+    assert [p.index for p in later] == [1000, *range(1, 32)]
+    survey.record({p.name: running[p.name] for p in later[1:]}, later[1:], 3.0)
+    survey.record({"demo-worker-1000": None}, later[:1], 3.0)
+    again = survey.pick(pods, agents.Budget(now=4.0), 2.0 + agents.ASK_EVERY_SECONDS)
+    assert sorted(p.index for p in again[:63]) == [i for i in range(960, 1024) if i != 1000]
+    assert [p.index for p in again[63:]] == [32]
+    survey.record(dict.fromkeys((p.name for p in again[:63]), None), again[:63], 4.0)
+    survey.record({"demo-worker-32": running["demo-worker-32"]}, again[63:], 4.0)
+    # Twice silent: left to the sweep.
+    assert [p.index for p in survey.pick(pods, agents.Budget(now=6.0), 6.0)] == list(range(33, 97))
+
+
+def test_the_store_hosts_successor_is_looked_for_until_it_hosts() -> None:
+    """The pod that hosts the store falls silent: its successor (the lowest-ranked survivor)
+    takes over seconds later. The lowest-indexed pods that answer are asked at most once a
+    second until one says it hosts, not in their turn of the sweep (a status write each for
+    storeHost: unknown, then the successor); then the sweep goes on."""
+    pods = [pod(i, ip=f"10.0.0.{i}") for i in range(128)]
+    survey, budget = agents.Survey(), agents.Budget(rate=1000.0, burst=20, now=0.0)
+    said = {p.name: AgentAnswer(p.index, "running", 128, host=p.index == 0, gen=1) for p in pods}
+    survey.record(said, pods, 0.0)
+    assert [p.index for p in survey.pick(pods, budget, 0.5)][:1] == [0]  # the host first
+    survey.record({"demo-worker-0": None}, pods, 1.0)  # silent
+    first = survey.pick(pods, budget, 2.0)
+    assert [p.index for p in first[:16]] == list(range(1, 17))
+    not_yet = {f"demo-worker-{i}": said[f"demo-worker-{i}"] for i in range(1, 17)}
+    survey.record(not_yet, pods, 2.0)
+    assert not {p.index for p in survey.pick(pods, budget, 2.5)} & set(range(1, 17))
+    again = survey.pick(pods, budget, 3.5)  # a second later: asked again (after pod 0, silent
+    # at its first question 2.5 s ago: asked once more)
+    assert [p.index for p in again[:17]] == list(range(17))
+    took_over = AgentAnswer(1, "running", 127, host=True, gen=2)
+    survey.record({**not_yet, "demo-worker-1": took_over}, pods, 3.5)
+    after = survey.pick(pods, budget, 5.0)
+    assert [p.index for p in after][:1] == [1]  # the new host, then the sweep
+    assert not {p.index for p in after} & set(range(2, 17))
+
+
 def test_kept_answers_are_forgotten_at_a_new_address_or_when_old() -> None:
     pods = (pod(0, ip="a"), pod(1, ip="b"))
     survey = agents.Survey()

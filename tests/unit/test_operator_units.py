@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import datetime as dt
 import logging
 import re
 import time
@@ -14,6 +16,7 @@ import pytest
 
 from ddpjob_operator import api, builders
 from ddpjob_operator.controller import (
+    ALONE,
     CONCURRENCY,
     MAX_FAILED_ACTION_EVENTS,
     SETTLE_PODS,
@@ -27,10 +30,12 @@ from ddpjob_operator.controller import (
     counts_only,
     pod_record,
     settle_for,
+    whole,
 )
 from ddpjob_operator.kube import ApiError, Credentials, KubeApi, OwnershipError
 from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod, PodPhase
+from ddpjob_operator.reconcile import DELETION_QUIET_SECONDS
 
 from .jobs import job, manifest
 
@@ -480,7 +485,7 @@ def _pass(ctl: Controller, body: dict[str, Any], records: list[PodRecord]) -> fl
 
 
 @pytest.mark.parametrize("size", [SETTLE_PODS + 36, SETTLE_PODS])
-def test_a_large_jobs_counts_are_written_at_most_every_settle_seconds(size: int) -> None:
+def test_a_large_jobs_counts_are_written_settle_seconds_after_they_first_moved(size: int) -> None:
     body = manifest(replicas=size, minReplicas=1, maxReplicas=size, backoffLimit=100)
     body["metadata"]["resourceVersion"] = "1"
     kube = CountingKube(body)
@@ -488,12 +493,14 @@ def test_a_large_jobs_counts_are_written_at_most_every_settle_seconds(size: int)
     _pass(ctl, body, _records(size))
     assert [s["readyReplicas"] for s in kube.statuses] == [size]
     # Pods turn unready one pass after another (a lost node's silent agents, found as they are
-    # asked): a large job writes none of it within SETTLE_SECONDS of its last write, and asks
-    # for the pass that writes it; a job of up to SETTLE_PODS pods writes each change.
+    # asked): a large job writes none of it within SETTLE_SECONDS of the first change it left
+    # unwritten, and asks for the pass that writes it; a job of up to SETTLE_PODS pods writes
+    # each change.
     dues = [_pass(ctl, body, _records(size, unready=n)) for n in (1, 2, 3)]
     if size > SETTLE_PODS:
         assert [s["readyReplicas"] for s in kube.statuses] == [size]
         assert all(due is not None and 0 < due <= SETTLE_SECONDS for due in dues)
+        assert dues[0] == SETTLE_SECONDS
     else:
         assert [s["readyReplicas"] for s in kube.statuses] == [size, size - 1, size - 2, size - 3]
     # What must be written before the pass acts is written at once: pod 0 failed, counted.
@@ -504,16 +511,28 @@ def test_a_large_jobs_counts_are_written_at_most_every_settle_seconds(size: int)
         ["uid-pod-0"],
         size - 4,
     )
-    # SETTLE_SECONDS after the last write, the counts are written.
-    ctl._written["ml", "demo"].at -= SETTLE_SECONDS
     written = len(kube.statuses)
-    _pass(ctl, body, _records(size, unready=5, failed=0))
+    due = _pass(ctl, body, _records(size, unready=5, failed=0))
+    if size > SETTLE_PODS:
+        # Counts that move after that write wait SETTLE_SECONDS again, then are written.
+        assert len(kube.statuses) == written
+        assert due == SETTLE_SECONDS
+        ctl._unwritten["ml", "demo"] -= SETTLE_SECONDS
+        _pass(ctl, body, _records(size, unready=5, failed=0))
     assert len(kube.statuses) == written + 1
     assert kube.statuses[-1]["readyReplicas"] == size - 6
-    # Within SETTLE_SECONDS again, but every pod is ready: written now.
+    # Every pod left is ready, but pod 0 is not replaced yet: not whole, the counts wait.
     _pass(ctl, body, _records(size, failed=0))
-    assert len(kube.statuses) == written + 2
-    assert (kube.statuses[-1]["readyReplicas"], kube.statuses[-1]["replicas"]) == (size - 1,) * 2
+    assert len(kube.statuses) == written + (1 if size > SETTLE_PODS else 2)
+    # The job is whole again (pod 0 replaced, every pod ready): written now.
+    whole = _records(size)
+    whole[0] = dataclasses.replace(
+        whole[0], observed=dataclasses.replace(whole[0].observed, uid="uid-pod-0-new")
+    )
+    _pass(ctl, body, whole)
+    assert len(kube.statuses) == written + (2 if size > SETTLE_PODS else 3)
+    last = kube.statuses[-1]
+    assert (last["readyReplicas"], last["replicas"], last["accountedPods"]) == (size, size, [])
 
 
 def test_only_counts_settle() -> None:
@@ -526,14 +545,34 @@ def test_only_counts_settle() -> None:
     assert not counts_only(old, old.model_copy(update={"accounted_pods": ["uid-1"]}))
     waiting = [api.PodWaiting(pod="demo-worker-1", reason="ErrImagePull", message="")]
     assert not counts_only(old, old.model_copy(update={"waiting": waiting}))
-    assert settle_for(old, old.model_copy(update={"ready_replicas": 90}), 100, 5.0, 6.0) == 9.0
-    assert settle_for(old, old.model_copy(update={"ready_replicas": 90}), 64, 5.0, 6.0) is None
-    assert settle_for(old, old.model_copy(update={"ready_replicas": 90}), 100, None, 6.0) is None
-    assert settle_for(old, old.model_copy(update={"ready_replicas": 90}), 100, 5.0, 15.0) is None
-    # Every pod ready again: written now.
     lower = old.model_copy(update={"ready_replicas": 90})
-    assert settle_for(lower, old, 100, 5.0, 6.0) is None
+    # Counts first left unwritten at 5.0 are written at 5.0 + SETTLE_SECONDS; new ones wait
+    # SETTLE_SECONDS; a job of up to SETTLE_PODS pods writes them now.
+    assert settle_for(old, lower, 100, 5.0, 6.0) == 9.0
+    assert settle_for(old, lower, 100, None, 6.0) == SETTLE_SECONDS
+    assert settle_for(old, lower, 100, 5.0, 15.0) is None
+    assert settle_for(old, lower, 64, 5.0, 6.0) is None
+    # The job whole again: written now.
+    assert settle_for(lower, old, 100, 5.0, 6.0, complete=True) is None
     assert settle_for(lower, old.model_copy(update={"ready_replicas": 95}), 100, 5.0, 6.0) == 9.0
+    # Whole: every desired pod there and ready, and the agents' world all of them.
+    full = old.model_copy(update={"world_size": 200})
+    assert whole(full, 100, 2)
+    assert not whole(full, 101, 2)  # a pod is missing: not every pod that is left
+    assert not whole(full.model_copy(update={"ready_replicas": 99}), 100, 2)
+    assert not whole(full.model_copy(update={"world_size": 198}), 100, 2)  # the world lags
+    assert not whole(api.DDPJobStatus(), 0, 1)
+    # Uids leaving accountedPods (their pods were released) go with the next write, never
+    # alone; with counts, they settle as the counts do; a uid that joins is written now.
+    counted = old.model_copy(update={"accounted_pods": ["uid-1", "uid-2"]})
+    released = counted.model_copy(update={"accounted_pods": ["uid-2"]})
+    assert counts_only(counted, released)
+    assert settle_for(counted, released, 100, None, 6.0) == ALONE
+    assert settle_for(counted, released, 64, None, 6.0) is None
+    both = released.model_copy(update={"ready_replicas": 90})
+    assert settle_for(counted, both, 100, 5.0, 6.0) == 9.0
+    assert not counts_only(released, counted)
+    assert settle_for(released, counted, 100, 5.0, 6.0) is None
 
 
 def test_a_created_pods_expectation_counts_from_the_answer_not_the_pass_start() -> None:
@@ -559,3 +598,109 @@ def test_a_created_pods_expectation_counts_from_the_answer_not_the_pass_start() 
     stamps = sorted(created.values())
     assert stamps[0] - started >= 0.05
     assert stamps[-1] - stamps[0] >= 0.09
+
+
+# ---- a node of 64 pods lost at once (bench/scale_job.py: 17 status writes before) ------------
+
+
+def _on_nodes(
+    size: int,
+    lost: int = 0,
+    now: dt.datetime | None = None,
+    asked: dict[int, float] | None = None,
+    released: bool = False,
+    gone: bool = False,
+    fresh: bool = False,
+    silent: bool = False,
+) -> list[PodRecord]:
+    """``size`` running, ready pods of ``demo``, 64 a node (``node-0`` has pods 0-63...); the
+    ``lost`` highest indices on the last node: not ready when ``silent`` (its agents fell
+    silent), deleted by the taint manager ``asked[i]`` seconds before ``now`` (a grace period
+    of 30 s, still Running: no kubelet confirms), without our finalizer once ``released``,
+    absent once ``gone``, and replaced by new pods (not ready yet) when ``fresh``."""
+    now = now or dt.datetime.now(dt.UTC)
+    asked = asked or {}
+    records = []
+    for i in range(size):
+        on_lost_node = i >= size - lost
+        if on_lost_node and gone and not fresh:
+            continue
+        uid = f"uid-pod-{i}" + ("-new" if on_lost_node and fresh else "")
+        deleting = on_lost_node and i in asked and not fresh
+        requested = now - dt.timedelta(seconds=asked.get(i, 0.0))
+        observed = ObservedPod(
+            name=f"demo-worker-{i}", index=i, uid=uid, phase=PodPhase.RUNNING,
+            owner_uid="uid-demo", ip=f"10.0.{i // 250}.{i % 250 + 1}", started=True,
+            node=f"node-{i // 64}",
+            ready=not (on_lost_node and (silent or deleting or fresh)),
+            deleting=deleting,
+            deletion_timestamp=requested + dt.timedelta(seconds=30) if deleting else None,
+            deletion_grace_seconds=30.0 if deleting else None,
+            disruption="DeletionByTaintManager" if deleting else None,
+            tracked=not (deleting and released),
+        )  # fmt: skip
+        records.append(PodRecord(observed, (api.POD_FINALIZER,) if observed.tracked else ()))
+    return records
+
+
+def test_a_node_of_64_pods_lost_at_once_costs_two_status_writes() -> None:
+    """A 1,024-pod job loses a node of 64 pods: its agents fall silent, the taint manager
+    deletes the pods in two batches, nobody confirms, they are force-deleted and replaced. The
+    job writes its status twice: the 64 counted together (NodeLost, uncharged) before their
+    finalizers go, and the replacements all ready; the counts in between (the silent agents,
+    the replacements as they come) wait for those writes, and the released uids leave
+    ``accountedPods`` with the last one. 17 writes before (bench/scale_job.py at 1,024 pods)."""
+    size, lost = 1024, 64
+    body = manifest(replicas=size, minReplicas=1, maxReplicas=size, backoffLimit=6)
+    body["metadata"]["resourceVersion"] = "1"
+    kube = CountingKube(body)
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    _pass(ctl, body, _on_nodes(size))
+    assert len(kube.statuses) == 1
+    kube.calls.clear()
+    # The agents fall silent: counts only, left unwritten (SETTLE_SECONDS).
+    assert _pass(ctl, body, _on_nodes(size, lost, silent=True)) == SETTLE_SECONDS
+    # The taint manager deletes 30 pods, then (1.5 s later) the other 34: held, untouched.
+    first = dict.fromkeys(range(size - lost, size - 34), 1.5)
+    both = {**first, **dict.fromkeys(range(size - 34, size), 0.0)}
+    held_for = [
+        _pass(ctl, body, _on_nodes(size, lost, asked=first, silent=True)),
+        _pass(ctl, body, _on_nodes(size, lost, asked=both, silent=True)),
+    ]
+    assert len(kube.statuses) == 1
+    assert kube.calls == []
+    assert all(due is not None and 0 < due <= DELETION_QUIET_SECONDS for due in held_for)
+    # The deletions stop: all 64 counted in one write, then released.
+    quiet = {i: at + DELETION_QUIET_SECONDS for i, at in both.items()}
+    _pass(ctl, body, _on_nodes(size, lost, asked=quiet, silent=True))
+    assert len(kube.statuses) == 2
+    counted = kube.statuses[-1]
+    assert (counted["restarts"], counted["backoffCount"]) == (lost, 0)
+    assert {f["reason"] for f in counted["failures"]} == {"NodeLost"}
+    assert len(counted["accountedPods"]) == lost
+    assert counted["readyReplicas"] == counted["replicas"] == size - lost
+    assert sorted(kube.calls) == sorted(("release", f"demo-worker-{i}") for i in quiet)
+    kube.calls.clear()
+    # Released, still Terminating on the lost node: nothing to write, nothing to do.
+    _pass(ctl, body, _on_nodes(size, lost, asked=quiet, released=True, silent=True))
+    assert len(kube.statuses) == 2
+    assert kube.calls == []
+    # Their grace period and forceDeleteAfterSeconds pass: force-deleted, once each.
+    late = {i: at + 60 for i, at in quiet.items()}
+    _pass(ctl, body, _on_nodes(size, lost, asked=late, released=True, silent=True))
+    assert sorted(kube.calls) == sorted(("delete", f"demo-worker-{i}") for i in late)
+    kube.calls.clear()
+    # Gone: replaced (counts only: not written), then all ready (written).
+    _pass(ctl, body, _on_nodes(size, lost, gone=True))
+    assert sorted(kube.calls) == sorted(("pod", f"demo-worker-{i}") for i in late)
+    _pass(ctl, body, _on_nodes(size, lost, gone=True, fresh=True))
+    assert len(kube.statuses) == 2
+    kube.calls.clear()
+    _pass(ctl, body, _on_nodes(size))
+    assert len(kube.statuses) == 3
+    last = kube.statuses[-1]
+    assert (last["readyReplicas"], last["restarts"], last["accountedPods"]) == (size, lost, [])
+    assert kube.calls == []
+    # Steady: nothing more.
+    _pass(ctl, body, _on_nodes(size))
+    assert len(kube.statuses) == 3

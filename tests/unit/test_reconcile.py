@@ -15,6 +15,10 @@ from ddpjob_operator import api, builders
 from ddpjob_operator.api import STORE_KEY_ENV
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 from ddpjob_operator.reconcile import (
+    DELETION_BATCH_SECONDS,
+    DELETION_QUIET_SECONDS,
+    LARGE_JOB_PODS,
+    MAX_NEW_ACCOUNTED,
     STRANDED_AFTER_SECONDS,
     CreatePod,
     CreateService,
@@ -23,6 +27,7 @@ from ddpjob_operator.reconcile import (
     DeletePod,
     Observed,
     RemoveFinalizer,
+    held_deletions,
     reconcile,
     store_keyed,
 )
@@ -548,3 +553,97 @@ def test_a_failed_pod_is_never_dropped_from_the_restart_count(
     counted = {f.uid for f in decision.status.failures}
     assert all(p.uid in counted for p in must_count)
     assert decision.status.backoff_count == sum(f.charged for f in decision.status.failures)
+
+
+# ---- a burst of deletions in a large job is counted once it is over ------------------------------
+
+
+def deleted(index: int, asked: float, grace: float = 30.0, **kw: Any) -> ObservedPod:
+    """Pod ``index``, deleted by someone else ``asked`` seconds before T0 (with ``grace``),
+    still running: no kubelet has confirmed its end (a lost node's pod)."""
+    requested = T0 - dt.timedelta(seconds=asked)
+    kw.setdefault("disruption", "DeletionByTaintManager")
+    kw.setdefault("ready", False)
+    return pod(
+        index,
+        deleting=True,
+        deletion_timestamp=requested + dt.timedelta(seconds=grace),
+        deletion_grace_seconds=grace,
+        **kw,
+    )
+
+
+def large(size: int, gone: dict[int, ObservedPod]) -> tuple[ObservedPod, ...]:
+    return tuple(gone.get(i) or pod(i, uid=f"uid-{i}") for i in range(size))
+
+
+@pytest.mark.parametrize(
+    ("size", "asked", "held", "due"),
+    [
+        (LARGE_JOB_PODS, [0.5], [], None),  # a small job counts each deletion at once
+        (LARGE_JOB_PODS + 1, [0.5], [0], DELETION_QUIET_SECONDS - 0.5),
+        (LARGE_JOB_PODS + 1, [1.5, 0.5], [0, 1], DELETION_QUIET_SECONDS - 0.5),
+        (LARGE_JOB_PODS + 1, [DELETION_QUIET_SECONDS, 2.5], [], None),  # the burst is over
+        # Deletions keep coming: counted DELETION_BATCH_SECONDS after the first all the same.
+        (LARGE_JOB_PODS + 1, [DELETION_BATCH_SECONDS, 0.5], [], None),
+        (LARGE_JOB_PODS + 1, [DELETION_BATCH_SECONDS - 1, 0.5], [0, 1], 1.0),
+    ],
+)
+def test_held_deletions(size: int, asked: list[float], held: list[int], due: float | None) -> None:
+    pods = large(size, {i: deleted(i, at, uid=f"uid-{i}") for i, at in enumerate(asked)})
+    hold, left = held_deletions(pods, [], T0)
+    assert sorted(hold) == [f"uid-{i}" for i in held]
+    assert left == pytest.approx(due) if due is not None else left is None
+
+
+def test_held_deletions_leave_out_what_is_confirmed_counted_or_untracked() -> None:
+    gone = {
+        0: deleted(0, 0.5, uid="uid-0"),
+        1: deleted(1, 0.5, uid="uid-1", phase=PodPhase.FAILED, exit_code=143),  # confirmed
+        2: deleted(2, 0.5, uid="uid-2"),  # counted already
+        3: deleted(3, 0.5, uid="uid-3", tracked=False),  # released already
+    }
+    hold, _ = held_deletions(large(100, gone), ["uid-2"], T0)
+    assert hold == {"uid-0"}
+
+
+def test_a_large_jobs_burst_of_deletions_is_counted_together_once_it_is_over() -> None:
+    """A lost node's pods, deleted by the taint manager over a few seconds and never confirmed:
+    a pass during the burst counts none and does nothing to them (it asks to come back when the
+    burst is over); the pass after counts them all, uncharged, and releases them; the force
+    delete comes after the count."""
+    size = 1024
+    status = running_status(replicas=size, ready_replicas=size)
+    job = make_job(status, replicas=size, maxReplicas=size)
+    lost = range(size - 64, size)
+    burst = large(size, {i: deleted(i, 1.5 if i < size - 34 else 0.0) for i in lost})
+    during = run(job, *burst)
+    assert during.status.restarts == 0
+    assert during.status.accounted_pods == []
+    assert kinds(during) == [] and released(during) == []
+    assert during.requeue_after == pytest.approx(DELETION_QUIET_SECONDS)
+    after = run(job, *burst, now=T0 + dt.timedelta(seconds=DELETION_QUIET_SECONDS))
+    assert (after.status.restarts, after.status.backoff_count) == (64, 0)
+    assert {f.reason for f in after.status.failures} == {"NodeLost"}
+    assert sorted(after.status.accounted_pods) == sorted(p.uid for p in burst if p.deleting)
+    assert released(after) == list(lost)
+    assert kinds(after) == []  # not replaced before they are gone, not forced yet
+
+
+def test_a_stuck_pod_is_force_deleted_only_once_it_is_counted() -> None:
+    """300 pods stuck Terminating, none counted yet: a pass counts MAX_NEW_ACCOUNTED of them
+    and force-deletes those; the other 50 wait for the next pass (before, they were
+    force-deleted with the rest and joined accountedPods uncounted: 250 restarts, not 300)."""
+    size = 300
+    job = make_job(running_status(), replicas=size, maxReplicas=size)
+    stuck = large(size, {i: deleted(i, 120.0, uid=f"uid-{i}") for i in range(size)})
+    first = run(job, *stuck)
+    forced = [a.index for a in first.actions if isinstance(a, DeletePod) and a.force]
+    assert first.status.restarts == len(forced) == MAX_NEW_ACCOUNTED
+    assert sorted(first.status.accounted_pods) == sorted(f"uid-{i}" for i in forced)
+    left = tuple(p for p in stuck if p.index not in forced)
+    second = run(job.model_copy(update={"status": first.status}), *left)
+    assert second.status.restarts == size
+    assert sorted(a.index for a in second.actions if isinstance(a, DeletePod)) == sorted(
+        p.index for p in left
+    )
