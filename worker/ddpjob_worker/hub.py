@@ -544,6 +544,11 @@ class Hub:
         now = self._clock()
         if now - self._ticked > STALL_SECONDS:
             # We did not run: we heard nothing because we listened to nothing.
+            logger.warning(
+                "the hub's loop did not run for %.1fs (this process was frozen or starved): "
+                "judging nobody for that time",
+                now - self._ticked - TICK_SECONDS,
+            )
             for each in self._sessions.values():
                 each.heard = now
         self._ticked = now

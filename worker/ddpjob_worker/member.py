@@ -235,6 +235,11 @@ class Member:
             await asyncio.sleep(HEARTBEAT_SECONDS)
             now = self._clock()
             if now - ticked > HEARTBEAT_SECONDS + STALL_SECONDS:
+                logger.warning(
+                    "this member's loop did not run for %.1fs (its process was frozen or "
+                    "starved): not judging the hub for that time",
+                    now - ticked - HEARTBEAT_SECONDS,
+                )
                 self._acked = now  # we were stalled: no answer expected meanwhile
             ticked = now
             self._seq += 1
