@@ -33,6 +33,7 @@ VERSION = 1
 HEADER_BYTES = 4096
 _PREAMBLE = struct.Struct("<8sIQ")  # magic, version, capacity
 _SLOT = struct.Struct("<QqqQI4x")  # seq, step, generation, length, crc32
+_SEQ = struct.Struct("<Q")  # a slot descriptor's first field
 _SLOTS_AT = _PREAMBLE.size
 SLOTS = 2
 
@@ -138,15 +139,15 @@ class SnapshotFile:
             self._newest = None if newest is None else newest.slot
         slot = 0 if self._newest is None else 1 - self._newest
         at = _SLOTS_AT + slot * _SLOT.size
-        seq = _Descriptor(*_SLOT.unpack_from(self._mm, at)[:5]).seq
+        (seq,) = _SEQ.unpack_from(self._mm, at)
         begin = seq + 1 if seq % 2 == 0 else seq + 2  # odd: being written
         # The sequence first (odd), then the payload, then the descriptor, then the even sequence.
-        struct.pack_into("<Q", self._mm, at, begin)
+        _SEQ.pack_into(self._mm, at, begin)
         offset = self._offset(slot)
         self._mm[offset : offset + data.nbytes] = data
         crc = zlib.crc32(data)
         _SLOT.pack_into(self._mm, at, begin, step, generation, data.nbytes, crc)
-        struct.pack_into("<Q", self._mm, at, begin + 1)
+        _SEQ.pack_into(self._mm, at, begin + 1)
         self._newest = slot
         return slot
 
