@@ -15,12 +15,10 @@ TCP connection four times a second. Both grow with the job. Here:
   (:func:`ddpjob_worker.failover.has_quorum`). It tells each member its rank and the world
   size; the first few ranks (who would host the next generation) also get the whole round, the
   base of the next majority.
-* **A cut needs a second opinion.** A member whose connection closed is probed at its liveness
-  socket (refused twice: its process is gone). A member not heard from for the silence window
-  is probed by :data:`OBSERVERS` other members (SWIM's indirect ping): one of them hearing it
-  keeps it in, so one slow link is never a death.
-* **Cuts are batched.** Members confirmed lost while others are still being probed wait for
-  them: 64 members of a node frozen at once are one round change, not 64.
+* **A cut needs a second opinion, and cuts are batched**
+  (:mod:`ddpjob_worker.suspicion`): a member whose connection closed is probed at its liveness
+  socket; one gone quiet is probed by other members, and one of them hearing it keeps it in.
+  64 members of a node frozen at once are one round change, not 64.
 * **Fenced by generation.** Every message carries the hub's generation and round; a member
   of another round is not believed.
 * **Judging nobody after its own stall.** A hub whose loop did not run for a while (frozen,
@@ -43,18 +41,13 @@ from ddpjob_worker import liveness
 from ddpjob_worker.failover import has_quorum
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent
+from ddpjob_worker.suspicion import SILENT_AFTER_SECONDS, Suspicion, judge, observers
 from ddpjob_worker.wire import MAX_LINE, Message, Wire
 
 logger = logging.getLogger("ddpjob_worker.hub")
 
 HEARTBEAT_SECONDS = 0.5
 """How often a member tells the hub it is alive (and the hub answers)."""
-SILENT_AFTER_SECONDS = liveness.SILENT_AFTER_SECONDS
-"""A member not heard from for this long is suspected (then probed by others)."""
-PROBE_SECONDS = 0.6
-"""How long the observers of a suspect get to ask it."""
-OBSERVERS = 3
-"""How many other members probe a suspect."""
 TICK_SECONDS = 0.1
 CHAIN = 4
 """The first ranks of a round, which would host the next generation in turn: they get the
@@ -63,8 +56,6 @@ STALL_SECONDS = 1.0
 """A hub tick this late means the hub itself was stalled: it judges nobody for that time."""
 VETO_LOG_SECONDS = 5.0
 """How often a round fenced for lack of a majority says so."""
-BATCH_SECONDS = 2.0
-"""The longest a confirmed loss waits for other suspects' probes before it is cut."""
 
 
 @dataclasses.dataclass
@@ -81,17 +72,6 @@ class _Session:
     left: bool = False
     closed: bool = False
     """Its connection closed."""
-
-
-@dataclasses.dataclass
-class _Suspicion:
-    since: float
-    loud: bool
-    """Its connection closed (the hub probes it itself), or it went quiet (observers do)."""
-    deadline: float
-    asked: set[NodeIdent] = dataclasses.field(default_factory=set)
-    answers: list[Health] = dataclasses.field(default_factory=list)
-    verdict: Health | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +137,7 @@ class Hub:
         """The expected members not in it yet."""
         self._ack_line: bytes | None = None
         self._ack_round = -1
-        self._suspects: dict[NodeIdent, _Suspicion] = {}
+        self._suspects: dict[NodeIdent, Suspicion] = {}
         self._req = 0
         self._probes: dict[int, NodeIdent] = {}
         self._cuts = 0
@@ -316,10 +296,7 @@ class Hub:
             del self._sessions[session.ident]
             return
         # Its connection closed: ask its liveness socket whether its agent is gone.
-        now = self._clock()
-        self._suspects[session.ident] = _Suspicion(
-            since=now, loud=True, deadline=now + PROBE_SECONDS + liveness.CONFIRM_AFTER_SECONDS
-        )
+        self._suspects[session.ident] = Suspicion.closed(self._clock())
         if session.liveness is not None:
             task = asyncio.get_running_loop().run_in_executor(None, self._probe, session.liveness)
             task.add_done_callback(lambda done: self._self_probed(session.ident, done))
@@ -563,25 +540,19 @@ class Hub:
         self._maybe_complete()
 
     def _suspect(self, session: _Session, now: float) -> None:
-        """Ask :data:`OBSERVERS` other members to probe a member gone quiet."""
-        suspicion = _Suspicion(since=now, loud=False, deadline=now + PROBE_SECONDS)
+        """Ask other members, heard from lately, to probe a member gone quiet."""
+        suspicion = Suspicion.quiet(now)
         self._suspects[session.ident] = suspicion
         if session.liveness is None:
             return
-        others = sorted(
+        heard = (
             s.ident
             for s in self._sessions.values()
-            if s.ident != session.ident
-            and not s.closed
+            if not s.closed
             and s.ident not in self._suspects
             and now - s.heard < SILENT_AFTER_SECONDS
         )
-        if not others:
-            return
-        start = hash(session.ident) % len(others)
-        step = max(1, len(others) // OBSERVERS)
-        observers = {others[(start + k * step) % len(others)] for k in range(OBSERVERS)}
-        for observer in observers:
+        for observer in observers(session.ident, heard):
             self._req += 1
             self._probes[self._req] = session.ident
             suspicion.asked.add(observer)
@@ -591,43 +562,14 @@ class Hub:
             )
 
     def _judge(self, now: float) -> None:
-        """Settle suspicions whose probes are in (or ran out of time); cut the lost together,
-        once nobody is still being probed (or the oldest has waited :data:`BATCH_SECONDS`)."""
-        for ident, suspicion in list(self._suspects.items()):
-            if suspicion.verdict is None:
-                verdict = self._verdict(suspicion, now)
-                if verdict is Health.ALIVE:
-                    del self._suspects[ident]
-                    session = self._sessions.get(ident)
-                    if session is not None:
-                        session.heard = now
-                    continue
-                suspicion.verdict = verdict
-        pending = [s for s in self._suspects.values() if s.verdict is None]
-        lost = {ident: s.verdict for ident, s in self._suspects.items() if s.verdict is not None}
-        if not lost:
-            return
-        oldest = min(s.since for s in self._suspects.values())
-        if pending and now - oldest < BATCH_SECONDS:
-            return
-        self._cut(lost)
-
-    @staticmethod
-    def _verdict(suspicion: _Suspicion, now: float) -> Health | None:
-        """ALIVE (keep it), GONE or SILENT (cut it), or None (not yet)."""
-        answers = suspicion.answers
-        if Health.GONE in answers:
-            return Health.GONE  # refused twice: its agent's process is gone
-        if suspicion.loud:
-            if Health.ALIVE in answers:
-                # Its agent lives but its connection closed: a hello clears this; one that
-                # does not come back within the silence window is silent.
-                return Health.SILENT if now - suspicion.since >= SILENT_AFTER_SECONDS else None
-            return Health.SILENT if now >= suspicion.deadline else None
-        if Health.ALIVE in answers:
-            return Health.ALIVE  # someone hears it: a slow link is no death
-        everyone = suspicion.asked and len(answers) >= len(suspicion.asked)
-        return Health.SILENT if everyone or now >= suspicion.deadline else None
+        judgement = judge(self._suspects, now)
+        for ident in judgement.cleared:
+            del self._suspects[ident]
+            session = self._sessions.get(ident)
+            if session is not None:
+                session.heard = now
+        if judgement.cut:
+            self._cut(judgement.cut)
 
     def _cut(self, lost: Mapping[NodeIdent, Health]) -> None:
         for ident, verdict in lost.items():

@@ -24,9 +24,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddpjob_worker import liveness
-from ddpjob_worker.hub import HEARTBEAT_SECONDS, SILENT_AFTER_SECONDS, STALL_SECONDS
+from ddpjob_worker.hub import HEARTBEAT_SECONDS, STALL_SECONDS
 from ddpjob_worker.liveness import Answer, Health
 from ddpjob_worker.nodes import NodeIdent
+from ddpjob_worker.suspicion import SILENT_AFTER_SECONDS
 from ddpjob_worker.wire import MAX_LINE, Message, Wire, shared_loop, submit
 
 logger = logging.getLogger("ddpjob_worker.member")

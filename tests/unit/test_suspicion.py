@@ -1,0 +1,128 @@
+"""The hub's suspicions, as pure functions: who observes a suspect, what answers mean, and
+when the lost are cut (together)."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+from ddpjob_worker.liveness import Health
+from ddpjob_worker.nodes import NodeIdent
+from ddpjob_worker.suspicion import (
+    BATCH_SECONDS,
+    OBSERVERS,
+    PROBE_SECONDS,
+    SILENT_AFTER_SECONDS,
+    Suspicion,
+    judge,
+    observers,
+    verdict,
+)
+
+
+def idents(n: int) -> list[NodeIdent]:
+    return [NodeIdent(f"node-{i:04d}") for i in range(n)]
+
+
+def test_observers_are_others_spread_over_the_members_and_stable() -> None:
+    members = idents(64)
+    target = members[5]
+    chosen = observers(target, members)
+    assert len(chosen) == OBSERVERS
+    assert target not in chosen
+    assert chosen == observers(target, list(reversed(members)))  # order of the input: no matter
+    positions = sorted(members.index(m) for m in chosen)
+    # Spread a third of the ring apart, not the target's neighbours in a row.
+    gaps = [b - a for a, b in itertools.pairwise(positions)]
+    assert all(gap >= 64 // OBSERVERS - 1 for gap in gaps), positions
+
+
+def test_observers_with_few_or_no_others() -> None:
+    a, b = idents(2)
+    assert observers(a, [a]) == []
+    assert observers(a, [a, b]) == [b]
+    assert observers(a, []) == []
+
+
+def test_a_quiet_suspect_one_observer_hears_is_kept() -> None:
+    case = Suspicion.quiet(now=10.0)
+    case.asked = {NodeIdent("x"), NodeIdent("y"), NodeIdent("z")}
+    case.answers = [Health.SILENT, Health.ALIVE]
+    assert verdict(case, 10.1) is Health.ALIVE
+
+
+def test_a_quiet_suspect_nobody_hears_is_silent_once_all_answered_or_time_is_up() -> None:
+    case = Suspicion.quiet(now=10.0)
+    case.asked = {NodeIdent("x"), NodeIdent("y")}
+    case.answers = [Health.SILENT]
+    assert verdict(case, 10.1) is None  # one answer still out
+    case.answers.append(Health.UNKNOWN)
+    assert verdict(case, 10.1) is Health.SILENT
+    late = Suspicion.quiet(now=10.0)
+    late.asked = {NodeIdent("x")}
+    assert verdict(late, 10.0 + PROBE_SECONDS - 0.01) is None
+    assert verdict(late, 10.0 + PROBE_SECONDS) is Health.SILENT
+
+
+def test_refused_twice_is_gone_whatever_else_was_said() -> None:
+    for case in (Suspicion.quiet(now=0.0), Suspicion.closed(now=0.0)):
+        case.answers = [Health.ALIVE, Health.GONE]
+        assert verdict(case, 0.0) is Health.GONE
+
+
+def test_a_closed_connection_whose_agent_answers_waits_the_silence_window() -> None:
+    case = Suspicion.closed(now=0.0)
+    case.answers = [Health.ALIVE]
+    assert verdict(case, SILENT_AFTER_SECONDS - 0.01) is None  # it may say hello again
+    assert verdict(case, SILENT_AFTER_SECONDS) is Health.SILENT
+
+
+def test_a_closed_connection_with_no_answer_is_silent_at_its_deadline() -> None:
+    case = Suspicion.closed(now=0.0)
+    assert verdict(case, case.deadline - 0.01) is None
+    assert verdict(case, case.deadline) is Health.SILENT
+
+
+def test_confirmed_losses_wait_for_the_others_probes_then_are_cut_together() -> None:
+    a, b, c = idents(3)
+    gone = Suspicion.closed(now=0.0)
+    gone.answers = [Health.GONE]
+    probing = Suspicion.quiet(now=0.1)
+    probing.asked = {c}
+    suspects = {a: gone, b: probing}
+    first = judge(suspects, now=0.2)
+    assert (first.cleared, dict(first.cut)) == (frozenset(), {})
+    assert gone.verdict is Health.GONE  # recorded once, kept while it waits
+    probing.answers = [Health.SILENT]
+    both = judge(suspects, now=0.3)
+    assert dict(both.cut) == {a: Health.GONE, b: Health.SILENT}
+
+
+def test_a_batch_waits_at_most_batch_seconds() -> None:
+    a, b, c = idents(3)
+    gone = Suspicion.closed(now=0.0)
+    gone.answers = [Health.GONE]
+    slow = Suspicion.quiet(now=0.0)
+    slow.asked = {c}
+    slow.deadline = 100.0  # its observers never answer
+    suspects = {a: gone, b: slow}
+    assert dict(judge(suspects, now=BATCH_SECONDS - 0.01).cut) == {}
+    assert dict(judge(suspects, now=BATCH_SECONDS).cut) == {a: Health.GONE}
+
+
+def test_a_suspect_heard_after_all_is_cleared_and_does_not_hold_back_a_cut() -> None:
+    a, b, c = idents(3)
+    gone = Suspicion.closed(now=0.0)
+    gone.answers = [Health.GONE]
+    heard = Suspicion.quiet(now=0.0)
+    heard.asked = {c}
+    heard.answers = [Health.ALIVE]
+    judgement = judge({a: gone, b: heard}, now=0.1)
+    assert judgement.cleared == frozenset({b})
+    assert dict(judgement.cut) == {a: Health.GONE}
+
+
+def test_the_suspicion_module_imports_without_torch() -> None:
+    code = "import sys, ddpjob_worker.suspicion; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
