@@ -15,6 +15,7 @@ from ddpjob_worker.suspicion import (
     PROBE_SECONDS,
     SILENT_AFTER_SECONDS,
     Suspicion,
+    after_stall,
     judge,
     observers,
     verdict,
@@ -126,3 +127,23 @@ def test_a_suspect_heard_after_all_is_cleared_and_does_not_hold_back_a_cut() -> 
 def test_the_suspicion_module_imports_without_torch() -> None:
     code = "import sys, ddpjob_worker.suspicion; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_after_its_own_stall_the_hub_drops_open_quiet_cases_and_keeps_the_evidence() -> None:
+    quiet, loud, decided = idents(3)
+    open_quiet = Suspicion.quiet(now=0.0)
+    open_quiet.asked = {NodeIdent("observer")}
+    open_loud = Suspicion.closed(now=0.0)
+    open_loud.answers = [Health.ALIVE]
+    settled = Suspicion.quiet(now=0.0)
+    settled.verdict = Health.SILENT
+    cases = {quiet: open_quiet, loud: open_loud, decided: settled}
+    # The loop did not run for 3 s: every deadline passed while nobody listened.
+    left = after_stall(cases, stalled=3.0)
+    assert set(left) == {loud, decided}
+    assert left[decided].verdict is Health.SILENT
+    # The loud case's clock moved on by the stall: its silence window starts again.
+    assert verdict(left[loud], now=3.1) is None
+    assert verdict(left[loud], now=3.0 + SILENT_AFTER_SECONDS) is Health.SILENT
+    # Before: the same cases at the same moment would have been cut.
+    assert verdict(Suspicion.quiet(now=0.0), now=3.1) is Health.SILENT

@@ -41,7 +41,13 @@ from ddpjob_worker import liveness
 from ddpjob_worker.failover import has_quorum
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent
-from ddpjob_worker.suspicion import SILENT_AFTER_SECONDS, Suspicion, judge, observers
+from ddpjob_worker.suspicion import (
+    SILENT_AFTER_SECONDS,
+    Suspicion,
+    after_stall,
+    judge,
+    observers,
+)
 from ddpjob_worker.wire import MAX_LINE, Message, Wire
 
 logger = logging.getLogger("ddpjob_worker.hub")
@@ -521,13 +527,15 @@ class Hub:
         now = self._clock()
         if now - self._ticked > STALL_SECONDS:
             # We did not run: we heard nothing because we listened to nothing.
+            stalled = now - self._ticked - TICK_SECONDS
             logger.warning(
                 "the hub's loop did not run for %.1fs (this process was frozen or starved): "
                 "judging nobody for that time",
-                now - self._ticked - TICK_SECONDS,
+                stalled,
             )
             for each in self._sessions.values():
                 each.heard = now
+            self._suspects = after_stall(self._suspects, stalled)
         self._ticked = now
         members = set(self._participants) if not self._forming else set(self._sessions)
         for ident in members:

@@ -117,3 +117,22 @@ def judge(suspects: Mapping[NodeIdent, Suspicion], now: float) -> Judgement:
     if pending and now - oldest < BATCH_SECONDS:
         return Judgement(frozenset(cleared), {})
     return Judgement(frozenset(cleared), lost)
+
+
+def after_stall(
+    suspects: Mapping[NodeIdent, Suspicion], stalled: float
+) -> dict[NodeIdent, Suspicion]:
+    """The cases left once the hub's own loop did not run for ``stalled`` seconds (frozen,
+    starved). Every member then counts as just heard, so a quiet case still open is dropped:
+    the heartbeats and the observers' answers it waited for may sit unread in our sockets, and
+    its deadline passed while nobody listened. A loud case keeps its evidence (the connection
+    did close), its clock moved on by the stall. Cases already decided stand."""
+    kept: dict[NodeIdent, Suspicion] = {}
+    for ident, case in suspects.items():
+        if case.verdict is None and not case.loud:
+            continue
+        if case.verdict is None:
+            case.since += stalled
+            case.deadline += stalled
+        kept[ident] = case
+    return kept
