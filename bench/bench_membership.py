@@ -45,7 +45,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.hollow
-from tests.hollow import NODE_SIZE, Job  # noqa: E402
+from tests.hollow import NODE_SIZE, SWITCH_INTERVAL_ENV, Job  # noqa: E402
 
 CAP_SECONDS = 120.0
 SETTLE_SECONDS = 3.0
@@ -161,6 +161,8 @@ def run_once(
         code=args.baseline if mode == "baseline" else None,
     )
     result: dict[str, Any] = {"mode": mode, "scenario": scenario, "agents": agents}
+    if args.switch_interval is not None:
+        result["switch_interval"] = args.switch_interval
     try:
         everyone = list(range(agents))
         first = job.wait(everyone, agents, 0.0, args.cap)
@@ -252,7 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap", type=float, default=CAP_SECONDS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="the GIL switch interval of every hollow process, in seconds (default: Python's)",
+    )
     args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        os.environ[SWITCH_INTERVAL_ENV] = str(args.switch_interval)  # the processes inherit it
     results: list[dict[str, Any]] = []
     root = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-membership-{uuid.uuid4().hex[:8]}"
     for agents in args.agents:

@@ -686,8 +686,17 @@ def _method_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
+SWITCH_INTERVAL_ENV = "HOLLOW_SWITCH_INTERVAL"
+"""Seconds: the interpreter's GIL switch interval in every hollow process (unset: Python's
+5 ms). A pod's agent shares its GIL with its own few threads; a hollow process's membership
+loop queues behind up to 64 agents' threads, each holding the GIL up to the interval."""
+
+
 def serve(spec: Spec) -> None:
     os.environ["DDPJOB_STORE_KEY"] = spec.key
+    interval = os.environ.get(SWITCH_INTERVAL_ENV)
+    if interval:
+        sys.setswitchinterval(float(interval))
     # The pod env's torch switches (contract.agent_env), which torch reads from the process.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"
