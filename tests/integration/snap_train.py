@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -25,7 +26,8 @@ from ddpjob_worker.train import ElasticSampler, TrainState, model_checksum, snap
 
 
 def say(line: str) -> None:
-    print(f"SNAP {line}", flush=True)
+    sys.stdout.write(f"SNAP {line}\n")  # one write: the two workers share the log
+    sys.stdout.flush()
 
 
 def main() -> None:

@@ -23,12 +23,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def lines(log: Path, kind: str) -> list[dict[str, str]]:
-    found = []
-    for line in log.read_text(errors="replace").splitlines():
-        match = re.search(rf"SNAP {kind} (.*)$", line)
-        if match:
-            found.append(dict(item.split("=", 1) for item in match.group(1).split()))
-    return found
+    """The ``SNAP <kind>`` records of the log (two workers share it: a record may follow
+    another's on one line)."""
+    pattern = rf"SNAP {kind}((?: \w+=[^\s]+)+)"
+    text = log.read_text(errors="replace")
+    return [
+        dict(item.split("=", 1) for item in match.group(1).split())
+        for match in re.finditer(pattern, text)
+    ]
+
+
+def committed_on_both(agent: subprocess.Popen[bytes], log: Path, step: int) -> bool:
+    if agent.poll() is not None:
+        raise AssertionError(f"the agent exited {agent.returncode} early:\n{log.read_text()}")
+    return {c["rank"] for c in lines(log, "committed") if int(c["step"]) >= step} == {"0", "1"}
 
 
 def test_a_killed_worker_resumes_from_the_survivors_snapshot(tmp_path: Path) -> None:
@@ -68,20 +76,14 @@ def test_a_killed_worker_resumes_from_the_survivors_snapshot(tmp_path: Path) -> 
             start_new_session=True,
         )
     try:
-        wait_until(
-            "step 8 committed on both ranks",
-            lambda: (
-                {c["rank"] for c in lines(log, "committed") if int(c["step"]) >= 8} == {"0", "1"}
-            ),
-            90,
-        )
+        wait_until("step 8 committed on both ranks", lambda: committed_on_both(agent, log, 8), 60)
         starts = lines(log, "start")
         victim = next(int(s["pid"]) for s in starts if s["rank"] == "1")
         snap_dir = Path(starts[0]["dir"])
         assert snap_dir.is_dir() and snap_dir.name.startswith("ddpjob-")
         os.kill(victim, signal.SIGKILL)
         before = max(int(c["step"]) for c in lines(log, "committed"))
-        assert agent.wait(90) == 0, log.read_text()
+        assert agent.wait(60) == 0, log.read_text()
     finally:
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)

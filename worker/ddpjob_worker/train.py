@@ -434,8 +434,13 @@ class TrainState:
         then check that every rank holds the same model. Collective: every rank calls it."""
         rank, world = _rank_world()
         local = self._local()
-        mine = None if local is None else (local.step, local.generation, zlib.crc32(local.payload))
-        infos = _all_gather(mine, world)
+        mine = (
+            [0, 0, 0, 0]
+            if local is None
+            else [1, local.step, local.generation, zlib.crc32(local.payload)]
+        )
+        # (step, generation, crc) of each rank's newest snapshot, None where it has none
+        infos = [info[1:] if info[0] else None for info in _all_gather(mine, world)]
         held = [(info[0], -r) for r, info in enumerate(infos) if info is not None]
         if not held:
             self.restored = Restored(step=0, source=None, local=False, nbytes=0)
@@ -443,6 +448,8 @@ class TrainState:
             step, neg = max(held)
             source = -neg
             target = infos[source]
+            if target is None:
+                raise RuntimeError(f"rank {source} was chosen as the source and has no snapshot")
             # Same step and same bytes as the source's: (step, crc), not the generation.
             have = [
                 info is not None and (info[0], info[2]) == (target[0], target[2]) for info in infos
@@ -469,7 +476,7 @@ class TrainState:
         return self.restored
 
     def _check_same_model(self, rank: int, world: int) -> None:
-        sums = _all_gather(model_checksum(self.model), world)
+        sums = [values[0] for values in _all_gather([model_checksum(self.model)], world)]
         if len(set(sums)) > 1:
             raise RuntimeError(
                 f"rank {rank}: the ranks' models differ after the restore (checksums by rank: "
@@ -484,12 +491,15 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather(value: Any, world: int) -> list[Any]:
+def _all_gather(values: list[int], world: int) -> list[list[int]]:
+    """Every rank's ``values`` (the same number on each), as int64 tensors: not
+    ``all_gather_object``, which needs numpy to unpickle."""
     if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
+        return [values]
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [[int(v) for v in tensor.tolist()] for tensor in out]
 
 
 def _broadcast_bytes(payload: bytes | None, source: int) -> bytes:
