@@ -21,16 +21,19 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
-from ddpjob_worker import compat, signals, warm
+from ddpjob_worker import compat, signals, snapdir, warm
 from ddpjob_worker.blame import CAUSE_COMM, cause_of
 from ddpjob_worker.contract import (
     DDPJOB_GRACE_SECONDS,
     DDPJOB_SAVING_DIR,
+    DDPJOB_SNAPSHOT_DIR,
     DDPJOB_STATE_FILE,
     DDPJOB_WARM_WORKERS,
     PET_NPROC_PER_NODE,
+    PET_RDZV_ID,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
 )
 from ddpjob_worker.errors import (
@@ -175,16 +178,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     early: list[warm.Spare] = []
     writer: StateWriter | None = None
     saving_dir: str | None = None
+    snap_dir: Path | None = None
 
     def stopped_while_starting(sig: signal.Signals) -> NoReturn:
         logger.warning("stopped by %s while starting", sig.name)
-        _clean_up(early, saving_dir)
+        _clean_up(early, saving_dir, snap_dir)
         _exit_now(EXIT_STOPPED)
 
     signals.exit_early(stopped_while_starting)
     signals.install()
     try:
         saving_dir = _saving_dir(os.environ)
+        snap_dir = _snapshot_dir(argv, os.environ)
         # Before torch's own import below: the first workers' imports overlap ours.
         _early_spares(argv, os.environ, early)
         args = build_parser().parse_args(argv)  # imports torch
@@ -205,20 +210,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = EXIT_STOPPED
     finally:
         signals.exit_early(None)
-        _clean_up(early, saving_dir)
+        _clean_up(early, saving_dir, snap_dir)
     signals.ignore()
     return _exit_now(code)
 
 
-def _clean_up(early: list[warm.Spare], saving_dir: str | None) -> None:
+def _clean_up(early: list[warm.Spare], saving_dir: str | None, snap_dir: Path | None) -> None:
     """Kill the early spares the agent did not take (it hands them over or kills them, unless
-    it failed or never ran), and remove our checkpoint-marker directory."""
+    it failed or never ran), and remove our checkpoint-marker and snapshot directories."""
     for spare in early:
         if spare.proc.stdin is not None and not spare.proc.stdin.closed:
             spare.kill()
     if saving_dir is not None:
         shutil.rmtree(saving_dir, ignore_errors=True)
         os.environ.pop(DDPJOB_SAVING_DIR, None)
+    if snap_dir is not None:
+        snapdir.remove(snap_dir)
+        os.environ.pop(DDPJOB_SNAPSHOT_DIR, None)
 
 
 def _saving_dir(env: MutableMapping[str, str]) -> str | None:
@@ -233,6 +241,35 @@ def _saving_dir(env: MutableMapping[str, str]) -> str | None:
         return None
     env[DDPJOB_SAVING_DIR] = directory
     return directory
+
+
+def _snapshot_dir(argv: Sequence[str], env: MutableMapping[str, str]) -> Path | None:
+    """The run's snapshot directory (:mod:`ddpjob_worker.snapdir`), made before the first
+    workers (and the spares, whose environment must match theirs) start, and named to them in
+    ``DDPJOB_SNAPSHOT_DIR``; kept across their restarts, removed when we exit. None if one is
+    set already (an outer agent's) or it cannot be made (workers then keep their own)."""
+    if env.get(DDPJOB_SNAPSHOT_DIR):
+        return None
+    try:
+        directory = snapdir.make(_run_id(argv, env))
+    except OSError as exc:
+        logger.warning("no snapshot directory (%s): workers keep their snapshots themselves", exc)
+        return None
+    env[DDPJOB_SNAPSHOT_DIR] = str(directory)
+    return directory
+
+
+def _run_id(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """The run id before torch's parser runs (it imports torch): ``--rdzv-id`` (or
+    ``--rdzv_id``), else ``PET_RDZV_ID``, else ``none`` (torchrun's default; ``--standalone``
+    makes a random one later, and the directory's pid tells agents apart anyway)."""
+    for i, arg in enumerate(argv):
+        for flag in ("--rdzv-id", "--rdzv_id"):
+            if arg == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return env.get(PET_RDZV_ID, "").strip() or "none"
 
 
 def _early_spares(argv: Sequence[str], env: Mapping[str, str], into: list[warm.Spare]) -> None:

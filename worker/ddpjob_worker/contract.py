@@ -47,6 +47,11 @@ DDPJOB_SAVING_DIR = "DDPJOB_SAVING_DIR"
 """Set by ddpjob-agent for its workers: where ``ddpjob_worker.saving()`` says a checkpoint is
 being written (a file named by the worker's pid), so that the agent lets it finish before it
 stops the worker."""
+DDPJOB_SNAPSHOT_DIR = "DDPJOB_SNAPSHOT_DIR"
+"""Set by ddpjob-agent for its workers: the run's directory for in-memory snapshots
+(``/dev/shm/ddpjob-<run id>-<agent pid>``, :mod:`ddpjob_worker.snapdir`), kept across worker
+restarts and removed when the agent exits. ``ddpjob_worker.train`` keeps each local rank's
+snapshot file there (``rank<local rank>.snap``)."""
 DDPJOB_WARM_WORKERS = "DDPJOB_WARM_WORKERS"
 """``0`` turns off ddpjob-agent's warm workers (a spare process per local rank with torch
 imported, handed the next restart's worker: :mod:`ddpjob_worker.warm`). On by default."""

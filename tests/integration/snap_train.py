@@ -1,0 +1,78 @@
+"""A tiny DDP script on the training-state API (:mod:`ddpjob_worker.train`), for
+``test_train_restore``. Parseable, flushed lines::
+
+    SNAP start rank=<r> pid=<p> restart=<n> dir=<DDPJOB_SNAPSHOT_DIR>
+    SNAP resumed rank=<r> step=<s> source=<rank|none> local=<0|1>
+    SNAP committed rank=<r> step=<s> ms=<snapshot write ms>
+    SNAP done rank=<r> step=<s> sum=<model checksum>
+
+``--drop-on-restart R``: on a restart, local rank R deletes its snapshot file first (it must
+then receive the state from another rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpjob_worker.train import ElasticSampler, TrainState, model_checksum, snapshot_path
+
+
+def say(line: str) -> None:
+    sys.stdout.write(f"SNAP {line}\n")  # one write: the two workers share the log
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--drop-on-restart", type=int, default=-1)
+    args = parser.parse_args()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    say(
+        f"start rank={rank} pid={os.getpid()} restart={restart} "
+        f"dir={os.environ.get('DDPJOB_SNAPSHOT_DIR', '')}"
+    )
+    if restart > 0 and local_rank == args.drop_on_restart:
+        snapshot_path(os.environ).unlink(missing_ok=True)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = torch.randn(4096, 16, generator=torch.Generator().manual_seed(1))
+    state = TrainState(
+        model=model, optimizer=opt, sampler=ElasticSampler(len(data), batch_size=8, seed=0)
+    )
+    for indices in state.batches():
+        if state.restored is not None and state.step_no == state.restored.step:
+            source = "none" if state.restored.source is None else state.restored.source
+            say(
+                f"resumed rank={rank} step={state.step_no} source={source} "
+                f"local={int(state.restored.local)}"
+            )
+        if state.step_no >= args.steps:
+            break
+        with state.step():
+            loss = model(data[indices]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            time.sleep(args.step_sleep)
+        say(f"committed rank={rank} step={state.step_no} ms={state.snapshot_seconds * 1000:.2f}")
+    say(f"done rank={rank} step={state.step_no} sum={model_checksum(model)}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,514 @@
+"""The training-state API (issue 36, option (a)): a step's state in memory after every commit,
+and a restart that resumes from the survivors' newest step instead of the last checkpoint.
+
+About three changed lines in a plain DDP script::
+
+    state = TrainState(model=ddp_model, optimizer=opt, scheduler=sched,
+                       sampler=ElasticSampler(len(ds), batch_size=32, seed=0))
+    for indices in state.batches():     # restores first; then this rank's next sample indices
+        with state.step():              # a clean exit commits: step_no += 1, snapshot written
+            ...forward/backward/opt.step()...
+
+What a step's state is: the model's and optimizer's (and scheduler's) state dicts, the
+sampler's position (epoch and the count of samples the whole job has consumed in it), the
+rank's RNG states (torch, ``random``, numpy when it is installed), the user's ``extra`` dict
+and the committed step number. It is serialized with ``torch.save`` and written synchronously
+into this local rank's :class:`~ddpjob_worker.snapshot.SnapshotFile` (two slots: a worker
+killed mid-write keeps the snapshot before it), ``<DDPJOB_SNAPSHOT_DIR>/rank<local rank>.snap``
+in the directory the agent owns (:mod:`ddpjob_worker.snapdir`), so it outlives the worker.
+
+The restore (:meth:`TrainState.restore`, run by :meth:`TrainState.batches` before its first
+batch) over the default process group: every rank tells the others its newest good snapshot
+(step, generation, CRC); the source is the rank with the highest step (ties: the lowest rank).
+In DDP every rank holds the same model after a step, so the highest step anywhere is a valid
+state for all, and any older one would lose steps. Ranks holding exactly the source's step
+and CRC load their own copy; the others (a replacement process, a rank whose file is gone or
+one step behind) receive the source's bytes by broadcast. Then all ranks compare a checksum of
+their model state and fail loudly if they differ.
+
+The generation written with a snapshot is ``TORCHELASTIC_RESTART_COUNT``, what both torchrun
+and ddpjob-agent give every worker (it grows with each restart after a failure). The restore
+picks by step, not generation: the counter is per node, and a scale-up restart does not
+change it.
+
+Only the worker side imports this module (it imports torch); the agent never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import importlib
+import io
+import logging
+import os
+import random
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ddpjob_worker import snapdir
+from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
+from ddpjob_worker.snapshot import SLOTS, Snapshot, SnapshotError, SnapshotFile
+
+logger = logging.getLogger("ddpjob_worker.train")
+
+PAYLOAD_VERSION = 1
+MIN_CAPACITY = 64 * 1024
+"""The smallest slot we make: a tiny state still gets room to grow."""
+HEADROOM = 2
+"""A slot holds this many times the first state: an optimizer's state grows after its first
+step (Adam's moments appear), and a file made to fit exactly would be remade at once."""
+
+
+class Stateful(Protocol):
+    """What a scheduler (or anything else restored) must have."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+# -- the sampler ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """This rank's indices for one step, and how many samples the whole job consumes in it."""
+
+    indices: list[int]
+    consumed: int
+
+
+class ElasticSampler:
+    """Sample indices of one dataset for any world size, resumable at any step.
+
+    The position is the epoch and the number of samples of the epoch's order that the whole
+    job has consumed (``processed``), not a per-rank iterator: after a change of world size the
+    epoch's remaining indices are split across the new ranks, so none is skipped or repeated
+    (the idea of Horovod's ElasticSampler). Each step takes the next ``world * batch_size``
+    indices of the epoch's order; rank ``r`` gets the ``r``-th share. The epoch's last step may
+    take fewer: they are shared as evenly as possible, and a rank may get an empty list when
+    fewer samples than ranks are left (nothing is padded, so nothing is seen twice).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        batch_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        epochs: int = 1,
+    ) -> None:
+        if size <= 0:
+            raise ValueError(f"ElasticSampler size must be positive (the dataset's length): {size}")
+        if batch_size <= 0:
+            raise ValueError(f"ElasticSampler batch_size must be positive: {batch_size}")
+        if epochs <= 0:
+            raise ValueError(f"ElasticSampler epochs must be positive: {epochs}")
+        self.size = size
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epochs = epochs
+        self.epoch = 0
+        self.processed = 0
+        self._order: tuple[int, list[int]] | None = None
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's order of indices: the same in every process (a seeded shuffle)."""
+        if self._order is None or self._order[0] != epoch:
+            indices = list(range(self.size))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(indices)  # noqa: S311
+            self._order = (epoch, indices)
+        return self._order[1]
+
+    def next_batch(self, rank: int, world: int) -> Batch | None:
+        """The next step's indices for ``rank`` of ``world``; None when every epoch is done."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in a world of {world}")
+        if self.epoch >= self.epochs:
+            return None
+        left = self.order(self.epoch)[self.processed :]
+        step = left[: world * self.batch_size]
+        n = len(step)
+        return Batch(indices=step[rank * n // world : (rank + 1) * n // world], consumed=n)
+
+    def advance(self, consumed: int) -> None:
+        """A step that consumed ``consumed`` samples (all ranks together) was committed."""
+        self.processed += consumed
+        if self.processed >= self.size:
+            self.epoch += 1
+            self.processed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "processed": self.processed, "size": self.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size"] != self.size:
+            raise ValueError(
+                f"the snapshot's sampler covers {state['size']} samples and this one "
+                f"{self.size}: give ElasticSampler the same dataset length as before"
+            )
+        self.epoch = int(state["epoch"])
+        self.processed = int(state["processed"])
+
+
+# -- RNG and checksums ------------------------------------------------------------------------
+
+
+def _numpy() -> Any:
+    """numpy's module if it is installed (its RNG is then part of the state), else None."""
+    try:
+        return importlib.import_module("numpy")
+    except ImportError:
+        return None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    np = _numpy()
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np = _numpy()
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])
+
+
+def derived_seed(seed: int, rank: int, step: int) -> int:
+    """A seed for a rank that has no RNG state of its own at ``step``: a function of
+    (seed, rank, step) only, so the same in any rerun."""
+    return zlib.crc32(f"{seed}/{rank}/{step}".encode()) | (seed & 0xFFFF) << 32
+
+
+def seed_rng(value: int) -> None:
+    torch.manual_seed(value)
+    random.seed(value)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(value % 2**32)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A CPU copy of ``tensor``'s bytes (no numpy needed)."""
+    flat = tensor.detach().cpu().contiguous()
+    return ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())
+
+
+def model_checksum(model: torch.nn.Module) -> int:
+    """CRC-32 over the model's state (parameters and buffers, in order): equal on every rank
+    after a good restore."""
+    crc = 0
+    for name, value in model.state_dict().items():
+        crc = zlib.crc32(name.encode(), crc)
+        if isinstance(value, torch.Tensor):
+            crc = zlib.crc32(tensor_bytes(value), crc)
+    return crc
+
+
+# -- where the snapshots live -----------------------------------------------------------------
+
+
+def snapshot_path(env: dict[str, str] | os._Environ[str], base: Path = snapdir.SHM) -> Path:
+    """This local rank's snapshot file: in the agent's directory (``DDPJOB_SNAPSHOT_DIR``), or
+    under plain torchrun in ``/dev/shm/ddpjob-torchrun_<run id>`` (nobody removes that one)."""
+    name = f"rank{int(env.get('LOCAL_RANK', '0'))}.snap"
+    directory = env.get(DDPJOB_SNAPSHOT_DIR)
+    if directory:
+        return Path(directory) / name
+    run = snapdir.safe_run_id(env.get("TORCHELASTIC_RUN_ID", ""))
+    return base / f"{snapdir.PREFIX}torchrun_{run}" / name
+
+
+def newest(snaps: SnapshotFile) -> Snapshot | None:
+    """The snapshot with the highest step (then generation): see the module doc for why not
+    :meth:`SnapshotFile.latest`'s generation first."""
+    found = [s for s in (snaps.read(slot) for slot in range(SLOTS)) if s is not None]
+    return max(found, key=lambda s: (s.step, s.generation), default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`TrainState.restore` did: the step, where it came from, its size."""
+
+    step: int
+    source: int | None
+    """The rank whose snapshot was used; None for a fresh start."""
+    local: bool
+    """This rank loaded its own copy (False: received by broadcast, or a fresh start)."""
+    nbytes: int
+
+
+class TrainState:
+    """A DDP script's state, snapshotted after every committed step (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler: ElasticSampler,
+        scheduler: Stateful | None = None,
+        extra: dict[str, Any] | None = None,
+        seed: int | None = None,
+        path: Path | None = None,
+        snapshots: bool = True,
+    ) -> None:
+        """``path``: the snapshot file (default: :func:`snapshot_path`); ``snapshots=False``
+        keeps nothing (the loop and the sampler still work)."""
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.scheduler = scheduler
+        self.extra: dict[str, Any] = {} if extra is None else extra
+        self.seed = sampler.seed if seed is None else seed
+        self.step_no = 0
+        """The committed step."""
+        self.restored: Restored | None = None
+        self.snapshot_seconds = 0.0
+        """How long the last snapshot took (serialize and write)."""
+        self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self._path: Path | None = path if path is not None else snapshot_path(os.environ)
+        if not snapshots:
+            self._path = None
+        self._file: SnapshotFile | None = None
+        self._pending: int | None = None
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def batches(self) -> Iterator[list[int]]:
+        """Restore (once), then yield this rank's indices for each next step until the
+        sampler's epochs are done. A batch whose step was not committed is yielded again."""
+        if self.restored is None:
+            self.restore()
+        while True:
+            rank, world = _rank_world()
+            batch = self.sampler.next_batch(rank, world)
+            if batch is None:
+                return
+            self._pending = batch.consumed
+            yield batch.indices
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Commit the step on a clean exit of the block: advance the sampler by the batch
+        :meth:`batches` yielded, count the step, write the snapshot. An exception commits
+        nothing."""
+        yield
+        if self._pending is not None:
+            self.sampler.advance(self._pending)
+            self._pending = None
+        self.step_no += 1
+        self.snapshot()
+
+    # -- the state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": PAYLOAD_VERSION,
+            "step": self.step_no,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "extra": self.extra,
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, rng: bool = True) -> None:
+        """Load a :meth:`state_dict`; ``rng=False`` leaves the RNG states alone."""
+        if state.get("version") != PAYLOAD_VERSION:
+            raise SnapshotError(
+                f"snapshot payload version {state.get('version')!r}, this code reads "
+                f"{PAYLOAD_VERSION}: restore with the same ddpjob_worker version"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.extra.clear()
+        self.extra.update(state["extra"])
+        self.step_no = int(state["step"])
+        if rng:
+            set_rng_state(state["rng"])
+
+    def payload(self) -> memoryview:
+        buffer = io.BytesIO()
+        torch.save(self.state_dict(), buffer)
+        return buffer.getbuffer()
+
+    def load_payload(self, payload: bytes | memoryview, *, rng: bool = True) -> None:
+        # Our own bytes, CRC-checked: the RNG states and extra need the full unpickler.
+        state = torch.load(io.BytesIO(payload), weights_only=False)
+        self.load_state_dict(state, rng=rng)
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def snapshot(self) -> None:
+        """Write the committed state into this rank's snapshot file (synchronously)."""
+        if self._path is None:
+            return
+        started = time.perf_counter()
+        payload = self.payload()
+        snaps = self._room(payload.nbytes)
+        if snaps is not None:
+            snaps.write(self.step_no, self.generation, payload)
+            if snaps.path != self._path:
+                # A new file, moved over the old one only once it holds this step: the old
+                # one's snapshot stayed good until now.
+                os.replace(snaps.path, self._path)
+                snaps.path = self._path
+        self.snapshot_seconds = time.perf_counter() - started
+
+    def _room(self, nbytes: int) -> SnapshotFile | None:
+        """The snapshot file, or a new one at a temporary name when there is none or it has no
+        room for ``nbytes`` (:meth:`snapshot` moves it to its name after the write)."""
+        path = self._path
+        if path is None:
+            return None
+        if self._file is None and path.exists():
+            try:
+                self._file = SnapshotFile.open(path)
+            except SnapshotError as exc:
+                logger.warning("replacing an unusable snapshot file: %s", exc)
+        if self._file is not None and nbytes <= self._file.capacity:
+            return self._file
+        capacity = max(MIN_CAPACITY, HEADROOM * nbytes)
+        if self._file is not None:
+            logger.info(
+                "a step's state grew to %d bytes, past the snapshot slots' %d: remaking %s "
+                "with %d-byte slots",
+                nbytes,
+                self._file.capacity,
+                path,
+                capacity,
+            )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = SnapshotFile.create(path.with_name(path.name + ".new"), capacity)
+        except OSError as exc:
+            logger.warning(
+                "no in-memory snapshots for this worker (%s): a restart resumes from the last "
+                "checkpoint only",
+                exc,
+            )
+            self._path = None
+            return None
+        if self._file is not None:
+            self._file.close()
+        self._file = fresh
+        return fresh
+
+    def _local(self) -> Snapshot | None:
+        """This rank's own newest snapshot, if it has one."""
+        path = self._path
+        if path is None or not path.exists():
+            return None
+        try:
+            self._file = SnapshotFile.open(path)
+        except SnapshotError as exc:
+            logger.warning("ignoring this rank's snapshot: %s", exc)
+            return None
+        return newest(self._file)
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def restore(self) -> Restored:
+        """Resume from the newest step any rank holds (see the module doc), or start fresh;
+        then check that every rank holds the same model. Collective: every rank calls it."""
+        rank, world = _rank_world()
+        local = self._local()
+        mine = (
+            [0, 0, 0, 0]
+            if local is None
+            else [1, local.step, local.generation, zlib.crc32(local.payload)]
+        )
+        # (step, generation, crc) of each rank's newest snapshot, None where it has none
+        infos = [info[1:] if info[0] else None for info in _all_gather(mine, world)]
+        held = [(info[0], -r) for r, info in enumerate(infos) if info is not None]
+        if not held:
+            self.restored = Restored(step=0, source=None, local=False, nbytes=0)
+        else:
+            step, neg = max(held)
+            source = -neg
+            target = infos[source]
+            if target is None:
+                raise RuntimeError(f"rank {source} was chosen as the source and has no snapshot")
+            # Same step and same bytes as the source's: (step, crc), not the generation.
+            have = [
+                info is not None and (info[0], info[2]) == (target[0], target[2]) for info in infos
+            ]
+            payload = local.payload if have[rank] and local is not None else b""
+            if not all(have):
+                received = _broadcast_bytes(payload if rank == source else None, source)
+                payload = payload or received
+            self.load_payload(payload, rng=have[rank])
+            if not have[rank]:
+                seed_rng(derived_seed(self.seed, rank, step))
+            self.restored = Restored(
+                step=step, source=source, local=have[rank], nbytes=len(payload)
+            )
+            logger.info(
+                "rank %d: resumed at step %d from rank %d's snapshot (%s, %d bytes)",
+                rank,
+                step,
+                source,
+                "own copy" if have[rank] else "received",
+                len(payload),
+            )
+        self._check_same_model(rank, world)
+        return self.restored
+
+    def _check_same_model(self, rank: int, world: int) -> None:
+        sums = [values[0] for values in _all_gather([model_checksum(self.model)], world)]
+        if len(set(sums)) > 1:
+            raise RuntimeError(
+                f"rank {rank}: the ranks' models differ after the restore (checksums by rank: "
+                f"{sums}); the snapshots are inconsistent: remove the job's snapshot directory "
+                f"({self._path.parent if self._path else 'none'}) to resume from a checkpoint"
+            )
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(values: list[int], world: int) -> list[list[int]]:
+    """Every rank's ``values`` (the same number on each), as int64 tensors: not
+    ``all_gather_object``, which needs numpy to unpickle."""
+    if world == 1:
+        return [values]
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [[int(v) for v in tensor.tolist()] for tensor in out]
+
+
+def _broadcast_bytes(payload: bytes | None, source: int) -> bytes:
+    """``source``'s bytes on every rank: their length, then a flat uint8 tensor."""
+    length = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
+    dist.broadcast(length, source)
+    if payload is not None:
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.broadcast(buffer, source)
+    return payload if payload is not None else tensor_bytes(buffer)
