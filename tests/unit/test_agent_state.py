@@ -267,8 +267,9 @@ def test_the_membership_core_imports_without_torch() -> None:
 
 def test_most_of_the_worker_package_imports_without_torch() -> None:
     """Every module of ``ddpjob_worker`` but the torch side (the agent on torch's subclass, its
-    launch, the store link, the rendezvous adapter, the worker processes) imports in a fresh
-    interpreter without torch (17 modules and the package before the agent was split)."""
+    launch, the store link, the rendezvous adapter, the worker processes, and the training state
+    the workers import) imports in a fresh interpreter without torch (17 modules and the package
+    before the agent was split)."""
     code = (
         "import importlib, json, pkgutil, subprocess, sys, ddpjob_worker\n"
         "light = []\n"
@@ -284,7 +285,7 @@ def test_most_of_the_worker_package_imports_without_torch() -> None:
     )
     light = set(json.loads(run.stdout))
     modules = {path.stem for path in Path(ddpjob_worker.__file__).parent.glob("*.py")}
-    torch_side = {"agent", "launch", "storelink", "rendezvous", "hubrdzv", "workers"}
+    torch_side = {"agent", "launch", "storelink", "rendezvous", "hubrdzv", "workers", "train"}
     assert light == modules - torch_side - {"__init__"}, sorted(light)
     assert {name.rpartition(".")[2] for name in MEMBERSHIP_CORE} <= light
     assert len(light) >= 18 - 1 + 4  # 17 modules and the package itself before the split
