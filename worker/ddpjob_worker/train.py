@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import importlib
 import io
 import logging
@@ -165,8 +166,10 @@ class ElasticSampler:
 # -- RNG and checksums ------------------------------------------------------------------------
 
 
+@functools.cache
 def _numpy() -> Any:
-    """numpy's module if it is installed (its RNG is then part of the state), else None."""
+    """numpy's module if it is installed (its RNG is then part of the state), else None. Looked
+    up once: every step's snapshot asks, and a failed import searches the whole path again."""
     try:
         return importlib.import_module("numpy")
     except ImportError:
