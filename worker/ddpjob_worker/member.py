@@ -27,7 +27,6 @@ from ddpjob_worker import liveness
 from ddpjob_worker.hub import HEARTBEAT_SECONDS, STALL_SECONDS
 from ddpjob_worker.liveness import Answer, Health
 from ddpjob_worker.nodes import NodeIdent
-from ddpjob_worker.suspicion import SILENT_AFTER_SECONDS
 from ddpjob_worker.wire import MAX_LINE, Message, Wire, shared_loop, submit
 
 logger = logging.getLogger("ddpjob_worker.member")
@@ -245,11 +244,11 @@ class Member:
             ticked = now
             self._seq += 1
             await self._write({"t": "hb", "seq": self._seq})
-            if now - self._acked >= SILENT_AFTER_SECONDS and self.view.hub_lost is None:
+            if now - self._acked >= liveness.SILENT_AFTER_SECONDS and self.view.hub_lost is None:
                 logger.warning(
                     "the hub at %s has not answered for %gs: taking it as lost",
                     self._hub,
-                    SILENT_AFTER_SECONDS,
+                    liveness.SILENT_AFTER_SECONDS,
                 )
                 self._set(hub_lost=Health.SILENT)
 
@@ -294,7 +293,7 @@ class Member:
                     return
                 except (TimeoutError, OSError) as exc:
                     logger.info("could not reach the hub again: %s", exc)
-            if self._clock() - started >= SILENT_AFTER_SECONDS:
+            if self._clock() - started >= liveness.SILENT_AFTER_SECONDS:
                 logger.warning("the hub at %s does not answer: taking it as lost", self._hub)
                 self._set(hub_lost=Health.SILENT)
                 return
