@@ -250,7 +250,12 @@ def test_two_jobs_queue_for_one_quota_and_run_one_after_the_other(
     # its quota is given back. (Kueue's Finished condition lives only as long as the Workload,
     # which the garbage collector removes at once; the audit log keeps no bodies: what can be
     # seen is the Workload gone and the ClusterQueue's usage back to nothing.)
-    assert usage(real, kueue, queues) == (1, 1, "2")
+    # Kueue writes the ClusterQueue's usage on its own pass, after the Workload's admission.
+    wait_for(
+        lambda: usage(real, kueue, queues) == (1, 1, "2"),
+        "the ClusterQueue holding the resumed job's Workload and its 2 CPU",
+        timeout=30,
+    )
     name = wl["metadata"]["name"]
     assert real.delete_job("second") == 200
     wait_for(lambda: workloads(real, kueue, second) == [], "the deleted job's Workload gone", 60)

@@ -7,7 +7,7 @@ import itertools
 import subprocess
 import sys
 
-from ddpjob_worker.liveness import Health
+from ddpjob_worker.liveness import CONFIRM_AFTER_SECONDS, PROBE_TIMEOUT_SECONDS, Health
 from ddpjob_worker.nodes import NodeIdent
 from ddpjob_worker.suspicion import (
     BATCH_SECONDS,
@@ -83,6 +83,19 @@ def test_a_closed_connection_with_no_answer_is_silent_at_its_deadline() -> None:
     case = Suspicion.closed(now=0.0)
     assert verdict(case, case.deadline - 0.01) is None
     assert verdict(case, case.deadline) is Health.SILENT
+
+
+def test_a_closed_connection_waits_for_its_own_probe_to_time_out() -> None:
+    # The hub's probe is slow on a loaded node (CI saw a pod killed whole cut as silent
+    # 0.7 s after its connection closed, before the refused connect was confirmed).
+    case = Suspicion.closed(now=0.0)
+    later = PROBE_TIMEOUT_SECONDS + CONFIRM_AFTER_SECONDS
+    assert verdict(case, later) is None
+    case.answers.append(Health.GONE)
+    assert verdict(case, later) is Health.GONE
+    unknown = Suspicion.closed(now=0.0)
+    unknown.answers.append(Health.UNKNOWN)  # its probe timed out: no need to wait longer
+    assert verdict(unknown, 0.01) is Health.SILENT
 
 
 def test_confirmed_losses_wait_for_the_others_probes_then_are_cut_together() -> None:

@@ -29,6 +29,9 @@ PROBE_SECONDS = 0.6
 """How long the observers of a suspect get to ask it."""
 OBSERVERS = 3
 """How many other members probe a suspect."""
+LOUD_PROBE_SECONDS = liveness.PROBE_TIMEOUT_SECONDS + liveness.CONFIRM_AFTER_SECONDS + PROBE_SECONDS
+"""How long the hub waits for its own probe of a member whose connection closed: the probe's
+timeout and its confirmation, and a margin for a thread pool slow to run it."""
 BATCH_SECONDS = 2.0
 """The longest a confirmed loss waits for other suspects' probes before it is cut."""
 
@@ -47,10 +50,11 @@ class Suspicion:
 
     @classmethod
     def closed(cls, now: float) -> Suspicion:
-        """Its connection closed: its own liveness socket is asked (refused twice: gone)."""
-        return cls(
-            since=now, loud=True, deadline=now + PROBE_SECONDS + liveness.CONFIRM_AFTER_SECONDS
-        )
+        """Its connection closed: its own liveness socket is asked (refused twice: gone). The
+        case waits for that probe, which its own timeout bounds: on a loaded node a refused
+        connect and its confirmation can take longer than :data:`PROBE_SECONDS`, and a pod
+        killed whole is then reported gone, not silent."""
+        return cls(since=now, loud=True, deadline=now + LOUD_PROBE_SECONDS)
 
     @classmethod
     def quiet(cls, now: float) -> Suspicion:
@@ -89,6 +93,8 @@ def verdict(suspicion: Suspicion, now: float) -> Health | None:
             # Its agent lives but its connection closed: a hello clears this; one that does
             # not come back within the silence window is silent.
             return Health.SILENT if now - suspicion.since >= SILENT_AFTER_SECONDS else None
+        if answers:
+            return Health.SILENT  # its own socket did not answer within the probe's timeout
         return Health.SILENT if now >= suspicion.deadline else None
     if Health.ALIVE in answers:
         return Health.ALIVE  # someone hears it: a slow link is no death
