@@ -21,6 +21,10 @@ per agent per second, machine-wide (this box runs nothing else of ours meanwhile
 the store host's process and of all agents, and the box's own CPU and the agents' scheduling
 lag (a result counts only if the box was not saturated).
 
+Each process runs in a CPU cgroup of equal weight (``--no-cpu-groups`` to share the box among
+threads instead): a pod has one, and on 2 cores shared thread by thread, the process of the
+store host's one agent got a 200th of the box while a thousand agents restarted.
+
 Usage: ``python bench/bench_membership.py --agents 64 [--mode ddpjob --mode torch]
 [--scenario loud ...] [--runs 5] [--json out.json]``. Prints a table and, with ``--json``,
 writes every figure.
@@ -159,8 +163,10 @@ def run_once(
         node=node,
         log_dir=log_dir,
         code=args.baseline if mode == "baseline" else None,
+        cpu_groups=args.cpu_groups,
     )
     result: dict[str, Any] = {"mode": mode, "scenario": scenario, "agents": agents}
+    result["cpu_groups"] = job.shares is not None and job.shares.on
     if args.switch_interval is not None:
         result["switch_interval"] = args.switch_interval
     try:
@@ -258,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         "--switch-interval",
         type=float,
         help="the GIL switch interval of every hollow process, in seconds (default: Python's)",
+    )
+    parser.add_argument(
+        "--cpu-groups",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each hollow process in a CPU cgroup of equal weight, as each pod has one "
+        "(default: on, where the machine lets us; the result says whether it did)",
     )
     args = parser.parse_args(argv)
     if args.switch_interval is not None:

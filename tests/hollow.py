@@ -398,6 +398,78 @@ def address(index: int) -> str:
     return f"127.2.{index // 200}.{index % 200 + 10}"
 
 
+class CpuShares:
+    """A CPU cgroup of equal weight for each hollow process, as each pod has one.
+
+    2 cores run a thousand agents' threads here, where a cluster gives each node its own CPUs.
+    Without groups the kernel shares the box among threads: during a mass restart some 200 of
+    them are runnable, and the process holding only the store host's agent got a 200th of the
+    box (its loop stalled 4 to 16 s at 1,024 agents). With a group per process it gets a
+    process's share, as a pod gets its request on a busy node. cgroup v1's ``cpu`` controller
+    or v2's; where neither can be written (not root, a read-only cgroup fs) there are no groups
+    and :attr:`on` says so."""
+
+    V1 = Path("/sys/fs/cgroup/cpu")
+    V2 = Path("/sys/fs/cgroup")
+
+    def __init__(self, name: str) -> None:
+        self.root: Path | None = None
+        self._v2 = False
+        for parent, v2 in ((self.V1, False), (self.V2, True)):
+            if v2 and "cpu" not in _read(parent / "cgroup.controllers").split():
+                continue
+            if not v2 and not (parent / "cpu.shares").exists():
+                continue
+            try:
+                if v2:
+                    _enable_cpu(parent)
+                (parent / name).mkdir()
+                if v2:
+                    _enable_cpu(parent / name)
+            except OSError:
+                continue
+            self.root, self._v2 = parent / name, v2
+            break
+
+    @property
+    def on(self) -> bool:
+        return self.root is not None
+
+    def place(self, k: int, pid: int) -> None:
+        """Move process ``pid`` (its threads with it) into group ``k``, of default weight."""
+        if self.root is None:
+            return
+        group = self.root / f"p{k}"
+        try:
+            group.mkdir(exist_ok=True)
+            (group / "cgroup.procs").write_text(f"{pid}\n")
+        except OSError as exc:
+            logging.getLogger(__name__).warning("no CPU group for pid %d: %s", pid, exc)
+
+    def remove(self) -> None:
+        """Remove the groups (their processes are gone)."""
+        if self.root is None:
+            return
+        for group in self.root.glob("p*"):
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _enable_cpu(group: Path) -> None:
+    """cgroup v2: let ``group``'s children have a cpu weight of their own."""
+    if "cpu" not in _read(group / "cgroup.subtree_control").split():
+        (group / "cgroup.subtree_control").write_text("+cpu\n")
+
+
 @dataclasses.dataclass
 class Proc:
     agents: list[int]
@@ -423,11 +495,13 @@ class Job:
         node: list[int],
         log_dir: Path,
         code: Path | None = None,
+        cpu_groups: bool = True,
     ) -> None:
         """``mode``: ``ddpjob`` or ``torch``; agent 0 (the store's host) and each of
         ``singles`` get a process of their own, ``node`` one together, the rest
         ``per_process`` to a process; ``code``: a checkout whose agent runs (default: this
-        one)."""
+        one); ``cpu_groups``: each process in a CPU group of its own (:class:`CpuShares`),
+        where the machine lets us."""
         self.mode = mode
         self.n = agents
         self.log_dir = log_dir
@@ -472,6 +546,7 @@ class Job:
             # go with the job's logs, not thousands to the machine's temporary directory.
             "TMPDIR": str(log_dir),
         }
+        self.shares = CpuShares(f"ddpj-hollow-{spec.run_id[:8]}") if cpu_groups else None
         self.started = time.time()
         for k, group in enumerate(groups):
             part = dataclasses.replace(spec, agents=tuple(AgentSpec(i, address(i)) for i in group))
@@ -486,6 +561,8 @@ class Job:
                 env=env,
                 start_new_session=True,
             )
+            if self.shares is not None:
+                self.shares.place(k, popen.pid)  # before it reads its spec: no agent runs yet
             assert popen.stdin is not None
             popen.stdin.write(part.to_json() + "\n")
             popen.stdin.flush()
@@ -562,6 +639,8 @@ class Job:
                 proc.popen.wait(10)
         if self.netns is not None:
             subprocess.run(["ip", "netns", "del", self.netns], check=False)
+        if self.shares is not None:
+            self.shares.remove()
 
 
 # -- one agent ----------------------------------------------------------------------------------
