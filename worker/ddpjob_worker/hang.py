@@ -1,0 +1,97 @@
+"""Which rank holds the others up: issue 36's hang detection, as pure functions of the ranks'
+progress records (:mod:`ddpjob_worker.progress`). No torch, no clock of its own.
+
+A worker stuck while its agent and every peer live (a hung driver, a deadlock in user code,
+one rank that never reaches the all-reduce) looks, from the records, like this: most ranks
+have waited in the step's collective for longer than the threshold, and one has not reached
+it (it is still computing that step, or writing the step before's snapshot). That one is
+stuck; the others are only waiting for it. Without a majority waiting nothing is pinned on
+anyone: a job whose every rank computes for a long time (an evaluation, a slow step) is slow,
+not hung.
+
+The threshold is learned from the job's own steps (:class:`StepTimes`): ``FACTOR`` times the
+p99 of the recent step times, never under ``FLOOR_SECONDS`` (as NVIDIA's resiliency extension
+learns its timeouts from observed intervals). The backends' own timeouts must stay above it,
+so that the agent, not a watchdog's abort, decides.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping
+from typing import TypeVar
+
+from ddpjob_worker.progress import Phase, Progress
+
+K = TypeVar("K")
+
+FLOOR_SECONDS = 5.0
+"""The shortest threshold, whatever the steps take."""
+FACTOR = 5.0
+"""The threshold's margin over the p99 step time."""
+WARMUP_STEPS = 3
+"""Steps not counted (the first ones build buckets, warm caches, compile)."""
+WINDOW = 200
+"""How many recent step times the threshold is learned from."""
+
+
+class StepTimes:
+    """One rank's recent step times, learned from its records as its agent reads them."""
+
+    def __init__(self) -> None:
+        self._times: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._last: tuple[int, float] | None = None
+        self._seen = 0
+
+    def observe(self, progress: Progress) -> None:
+        """A record read: a step that moved on gives the time since the step before moved."""
+        last = self._last
+        if last is not None and progress.step == last[0]:
+            return
+        if last is not None and progress.step == last[0] + 1:
+            self._seen += 1
+            if self._seen > WARMUP_STEPS:
+                self._times.append(max(0.0, progress.since - last[1]))
+        self._last = (progress.step, progress.since)
+
+    def threshold(self) -> float:
+        if not self._times:
+            return FLOOR_SECONDS
+        ordered = sorted(self._times)
+        p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        return max(FLOOR_SECONDS, FACTOR * p99)
+
+
+def stuck(records: Mapping[K, Progress], now: float, threshold: float) -> set[K]:
+    """The ranks (any key: a rank, a node) that hold the others up, from every rank's record:
+    a strict majority has waited in a collective for longer than ``threshold``, and these have
+    been outside it for as long, at the step the waiting ranks wait in or an earlier one.
+    Empty when no majority waits (see the module doc)."""
+    waiting = {
+        key
+        for key, record in records.items()
+        if record.phase is Phase.COLLECTIVE and now - record.since > threshold
+    }
+    if 2 * len(waiting) <= len(records):
+        return set()
+    step = min(records[key].step for key in waiting)
+    return {
+        key
+        for key, record in records.items()
+        if key not in waiting
+        and record.phase is not Phase.COLLECTIVE
+        and record.step <= step
+        and now - record.since > threshold
+    }
+
+
+def most_behind(records: Mapping[K, Progress]) -> Progress | None:
+    """Of one node's local ranks, the record that speaks for the node: the lowest step, and
+    at that step a rank outside the collective before one in it, the longest there first."""
+    if not records:
+        return None
+    return min(
+        records.values(),
+        key=lambda r: (r.step, r.phase is Phase.COLLECTIVE, r.since),
+    )
