@@ -339,8 +339,10 @@ class Cluster:
         *,
         stock: bool = False,
         env: Mapping[str, str | None] | None = None,
+        script: Path = TRAIN,
     ) -> Node:
-        """Start node ``index`` (0 hosts the store) with ``ddpjob-agent`` or stock torchrun.
+        """Start node ``index`` (0 hosts the store) with ``ddpjob-agent`` or stock torchrun,
+        running ``script`` (the example's, unless said).
 
         ``env`` adds variables, or removes those set to None (e.g. ``DDPJOB_POD_INDEX``, to run
         the agent as outside a DDPJob pod).
@@ -363,7 +365,7 @@ class Cluster:
             else:
                 full[key] = value
         launcher = ["-m", "torch.distributed.run"] if stock else ["-m", "ddpjob_worker.cli"]
-        argv = [sys.executable, *launcher, str(TRAIN), *train_args]
+        argv = [sys.executable, *launcher, str(script), *train_args]
         if self.netns:
             if self.fabric is None:
                 self.fabric = Fabric()

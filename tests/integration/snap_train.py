@@ -8,14 +8,20 @@
 
 ``--drop-on-restart R``: on a restart, local rank R deletes its snapshot file first (it must
 then receive the state from another rank).
+
+``--hang-at S --hang-rank R --hang-marker PATH``: rank R hangs in step S, before its backward
+(``SNAP hanging rank=<r> step=<s>``), once: the first to hang makes PATH, and a worker that
+finds PATH made trains on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--drop-on-restart", type=int, default=-1)
+    parser.add_argument("--hang-at", type=int, default=-1)
+    parser.add_argument("--hang-rank", type=int, default=-1)
+    parser.add_argument("--hang-marker", type=Path)
     args = parser.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -65,6 +74,12 @@ def main() -> None:
             break
         with state.step():
             loss = model(data[indices]).pow(2).mean()
+            if (state.step_no, rank) == (args.hang_at, args.hang_rank) and args.hang_marker:
+                with contextlib.suppress(FileExistsError):
+                    args.hang_marker.touch(exist_ok=False)
+                    say(f"hanging rank={rank} step={state.step_no}")
+                    while True:  # a deadlock in user code: its agent and peers live on
+                        time.sleep(1)
             opt.zero_grad()
             loss.backward()
             opt.step()

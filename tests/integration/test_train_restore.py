@@ -10,11 +10,14 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.harness import wait_until
+from tests.harness import Cluster, wait_until
+
+MakeCluster = Callable[..., Cluster]
 
 pytestmark = pytest.mark.slow
 
@@ -103,3 +106,45 @@ def test_a_killed_worker_resumes_from_the_survivors_snapshot(tmp_path: Path) -> 
     assert not snap_dir.exists(), "the agent left its snapshot directory behind"
     ms = sorted(float(c["ms"]) for c in lines(log, "committed"))
     print(f"snapshot write: median {ms[len(ms) // 2]:.2f} ms, max {ms[-1]:.2f} ms")
+
+
+def records(text: str, kind: str) -> list[dict[str, str]]:
+    pattern = rf"SNAP {kind}((?: \w+=[^\s]+)+)"
+    return [
+        dict(item.split("=", 1) for item in match.group(1).split())
+        for match in re.finditer(pattern, text)
+    ]
+
+
+def test_a_worker_hung_in_user_code_is_cut_and_the_job_resumes_at_its_step(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    # Three agents, one worker each; rank 2 deadlocks in step 10 before its backward, while
+    # its agent and both peers live (so nothing closes, nothing is silent). Ranks 0 and 1
+    # wait in step 10's all-reduce; the hub sees that from the workers' progress records and
+    # cuts node 2 as hung after the floor threshold (the steps are short), long before gloo's
+    # 30-minute timeout. Everyone resumes at step 10 from the in-memory snapshots.
+    cluster = make_cluster(min_nodes=2, max_nodes=3)
+    marker = tmp_path / "hung-once"
+    args = ["--steps", "40", "--step-sleep", "0.05", "--hang-at", "10", "--hang-rank", "2"]
+    args += ["--hang-marker", str(marker)]
+    nodes = [
+        cluster.start(i, args, script=SCRIPT, env={"DDPJOB_WARM_WORKERS": "0"}) for i in range(3)
+    ]
+    wait_until("rank 2 hanging in step 10", lambda: "SNAP hanging" in nodes[2].text(), 120)
+    for node in nodes:
+        assert node.wait_exit(180) == 0, cluster.logs()
+    text = "".join(node.text() for node in nodes)
+    cut = re.findall(r"hold round [\d.]+ up: .*\(hung\): (\S+)", text)
+    assert len(cut) == 1, cluster.logs()  # one cut, of node 2's member alone
+    assert [h["rank"] for h in records(text, "hanging")] == ["2"]
+    # Node 0's first worker committed steps 0-9 (printed as 1-10), then waited in step 10.
+    first = nodes[0].text().split("SNAP start")[1]
+    assert max(int(c["step"]) for c in records(first, "committed")) == 10, cluster.logs()
+    resumed = [r for r in records(text, "resumed") if r["source"] != "none"]
+    assert resumed, cluster.logs()
+    assert {int(r["step"]) for r in resumed} == {10}, resumed  # no step lost, none redone twice
+    done = records(text, "done")
+    assert {d["step"] for d in done} == {"40"}, cluster.logs()
+    assert len({d["sum"] for d in done}) == 1  # the same model on every rank
+    cluster.assert_clean()

@@ -37,17 +37,17 @@ def test_a_record_reads_back_what_was_marked_last(tmp_path: Path) -> None:
     assert path.stat().st_size == RECORD.size == 32
     assert read(path) == p(0, IDLE, read(path).since)  # type: ignore[union-attr]
     writer.mark(7, C, now=100.5)
-    writer.mark(7, W, now=101.25)
-    assert read(path) == p(7, W, 101.25)
+    writer.mark(7, W, now=101.25, threshold=6.5)
+    assert read(path) == Progress(7, W, 101.25, 6.5)
     writer.close()
-    assert read(path) == p(7, W, 101.25)  # it outlives the writer (the agent reads it after)
+    assert read(path) == Progress(7, W, 101.25, 6.5)  # it outlives its writer
 
 
 def test_a_record_being_written_or_garbage_is_never_taken(tmp_path: Path) -> None:
     path = tmp_path / "rank0.progress"
-    path.write_bytes(RECORD.pack(5, 9, int(C), 1.0))  # an odd sequence: mid-write
+    path.write_bytes(RECORD.pack(5, 9, int(C), 1.0, 0.0))  # an odd sequence: mid-write
     assert read(path) is None
-    path.write_bytes(RECORD.pack(6, 9, 77, 1.0))  # no such phase
+    path.write_bytes(RECORD.pack(6, 9, 77, 1.0, 0.0))  # no such phase
     assert read(path) is None
     path.write_bytes(b"short")
     assert read(path) is None

@@ -171,3 +171,45 @@ def test_the_snapshot_file_is_the_agents_or_one_per_torchrun_run(tmp_path: Path)
     assert snapshot_path(env) == tmp_path / "rank1.snap"
     plain = {"TORCHELASTIC_RUN_ID": "abc-1", "LOCAL_RANK": "0"}
     assert snapshot_path(plain, base=tmp_path) == tmp_path / "ddpjob-torchrun_abc_1/rank0.snap"
+
+
+def test_each_phase_of_a_ddp_step_is_marked_for_the_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A world of one over gloo, a real DDP model: the communication hook marks the
+    # all-reduce, and the record the agent reads follows the step.
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    from ddpjob_worker.progress import Phase, path_for, read  # noqa: PLC0415
+
+    monkeypatch.setenv("DDPJOB_SNAPSHOT_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = TrainState(model=model, optimizer=opt, sampler=ElasticSampler(12, batch_size=4))
+        record = path_for(tmp_path, 0)
+        data = torch.randn(12, 4)
+        phases = []
+        for indices in state.batches():
+            phases.append(read(record))
+            with state.step():
+                loss = model(data[indices]).sum()
+                loss.backward()
+                phases.append(read(record))
+                opt.step()
+        phases.append(read(record))
+    finally:
+        dist.destroy_process_group()
+    seen = [(r.step, r.phase) for r in phases if r is not None]
+    assert seen == [
+        (0, Phase.COMPUTE), (0, Phase.COLLECTIVE),
+        (1, Phase.COMPUTE), (1, Phase.COLLECTIVE),
+        (2, Phase.COMPUTE), (2, Phase.COLLECTIVE),
+        (3, Phase.IDLE),
+    ]  # fmt: skip
+    since = [r.since for r in phases if r is not None]
+    assert since == sorted(since)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from ddpjob_worker.progress import Phase, Progress
@@ -95,3 +95,27 @@ def most_behind(records: Mapping[K, Progress]) -> Progress | None:
         records.values(),
         key=lambda r: (r.step, r.phase is Phase.COLLECTIVE, r.since),
     )
+
+
+def heard(raw: object, now: float) -> tuple[int, list[Progress]] | None:
+    """A heartbeat's ``p`` (see :meth:`ddpjob_worker.member.Member._heartbeat`): the member's
+    round and its local ranks' records, their times on our clock (``now`` less each age).
+    None when there is none, or it is malformed."""
+    if not isinstance(raw, list) or len(raw) != 2 or not isinstance(raw[0], int):
+        return None
+    records = []
+    for item in raw[1] if isinstance(raw[1], list) else []:
+        try:
+            step, phase, age, threshold = item
+            records.append(Progress(int(step), Phase(phase), now - float(age), float(threshold)))
+        except (TypeError, ValueError):
+            return None
+    return raw[0], records
+
+
+def stuck_members(reports: Mapping[K, Sequence[Progress]], now: float) -> tuple[set[K], float]:
+    """The members (each with its local ranks' records) that hold the round up, and the
+    threshold used: the largest any worker learned, at least :data:`FLOOR_SECONDS`."""
+    records = {(key, k): r for key, found in reports.items() for k, r in enumerate(found)}
+    threshold = max([FLOOR_SECONDS, *(r.threshold for r in records.values())])
+    return {key for key, _ in stuck(records, now, threshold)}, threshold

@@ -37,10 +37,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from ddpjob_worker import liveness
+from ddpjob_worker import hang, liveness
 from ddpjob_worker.failover import has_quorum
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent
+from ddpjob_worker.progress import Progress
 from ddpjob_worker.suspicion import (
     SILENT_AFTER_SECONDS,
     Suspicion,
@@ -78,6 +79,8 @@ class _Session:
     left: bool = False
     closed: bool = False
     """Its connection closed."""
+    progress: tuple[int, list[Progress]] | None = None
+    """Its workers' progress records as its last heartbeat told them (its round, the records)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +251,8 @@ class Hub:
             del self._suspects[session.ident]  # it speaks: not lost
         if kind == "hb":
             self._ack(session)
+            if "p" in message:
+                session.progress = hang.heard(message["p"], session.heard)
         elif kind == "join":
             session.boot = message.get("boot")
             self._join(session)
@@ -545,7 +550,35 @@ class Hub:
             if now - found.heard >= SILENT_AFTER_SECONDS:
                 self._suspect(found, now)
         self._judge(now)
+        self._hangs(now)
         self._maybe_complete()
+
+    def _hangs(self, now: float) -> None:
+        """Cut the members whose worker holds the round up while most wait in its collective
+        (:mod:`ddpjob_worker.hang`), as if they were silent."""
+        if self._forming:
+            return
+        reports = {
+            ident: session.progress[1]
+            for ident in self._participants
+            if (session := self._sessions.get(ident)) is not None
+            and session.progress is not None
+            and session.progress[0] == self._round
+            and ident not in self._suspects
+        }
+        stuck, threshold = hang.stuck_members(reports, now)
+        if not stuck:
+            return
+        logger.warning(
+            "%d member(s) hold round %d.%d up: their workers have not reached the collective "
+            "that most of the others have waited in for over %.1fs (hung): %s",
+            len(stuck),
+            self.gen,
+            self._round,
+            threshold,
+            ", ".join(sorted(stuck)[:8]),
+        )
+        self._cut(dict.fromkeys(stuck, Health.SILENT))
 
     def _suspect(self, session: _Session, now: float) -> None:
         """Ask other members, heard from lately, to probe a member gone quiet."""
@@ -581,7 +614,7 @@ class Hub:
 
     def _cut(self, lost: Mapping[NodeIdent, Health]) -> None:
         for ident, verdict in lost.items():
-            del self._suspects[ident]
+            self._suspects.pop(ident, None)
             session = self._sessions.pop(ident, None)
             if session is not None:
                 session.closed = True

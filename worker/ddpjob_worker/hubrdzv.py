@@ -16,12 +16,14 @@ in :mod:`ddpjob_worker.watch`): the round's end, leaving, what a failover needs 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -36,8 +38,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from ddpjob_worker import signals
-from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
+from ddpjob_worker import progress, signals
+from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR, EXIT_STOPPED_BY_SIGNAL
 from ddpjob_worker.errors import AgentError
 from ddpjob_worker.hub import Hub
 from ddpjob_worker.keys import RunKeys
@@ -299,13 +301,19 @@ class HubBackend:
 
     def _member(self, params: RendezvousParameters) -> Member:
         me = node_repr(self._address(params), self._incarnation)
-        return Member(
+        member = Member(
             Wire(self._seal, params.run_id),
             ident=ident(me),
             index=self._index,
             liveness_address=self._liveness,
             history=self._history,
         )
+        directory = os.environ.get(DDPJOB_SNAPSHOT_DIR)
+        if directory:
+            # Our workers' progress records (the training-state API writes them), for the
+            # hub's hang detection.
+            member.progress = functools.partial(progress.node_records, Path(directory))
+        return member
 
     def host(
         self,

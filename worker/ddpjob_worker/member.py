@@ -27,6 +27,7 @@ from ddpjob_worker import liveness
 from ddpjob_worker.hub import HEARTBEAT_SECONDS, STALL_SECONDS
 from ddpjob_worker.liveness import Answer, Health
 from ddpjob_worker.nodes import NodeIdent
+from ddpjob_worker.progress import Progress
 from ddpjob_worker.wire import MAX_LINE, Message, Wire, shared_loop, submit
 
 logger = logging.getLogger("ddpjob_worker.member")
@@ -127,6 +128,11 @@ class Member:
         self._seq = 0
         self._joining = False
         self._join: Message = {"t": "join"}
+        self.progress: Callable[[float], list[Progress]] | None = None
+        """This node's workers' progress records written since a time (``time.monotonic()``),
+        told to the hub with each heartbeat for its hang detection; None: none to tell."""
+        self._round_at = 0.0
+        """When our current round came (``time.monotonic()``): older records are not its."""
         self.sent = 0
         self.received = 0
 
@@ -243,7 +249,7 @@ class Member:
                 self._acked = now  # we were stalled: no answer expected meanwhile
             ticked = now
             self._seq += 1
-            await self._write({"t": "hb", "seq": self._seq})
+            await self._write(self._heartbeat())
             if now - self._acked >= liveness.SILENT_AFTER_SECONDS and self.view.hub_lost is None:
                 logger.warning(
                     "the hub at %s has not answered for %gs: taking it as lost",
@@ -251,6 +257,23 @@ class Member:
                     liveness.SILENT_AFTER_SECONDS,
                 )
                 self._set(hub_lost=Health.SILENT)
+
+    def _heartbeat(self) -> Message:
+        """A heartbeat, with our round's progress records when we have some: ``p`` is the
+        round, then ``[step, phase, seconds in it, threshold]`` of each local rank (ages, not
+        times: the hub's clock is not ours)."""
+        message: Message = {"t": "hb", "seq": self._seq}
+        info = self.view.round
+        if self.progress is None or info is None or self.view.ends:
+            return message
+        records = self.progress(self._round_at)
+        if records:
+            now = time.monotonic()
+            message["p"] = [
+                info.round,
+                [[r.step, int(r.phase), round(now - r.since, 3), r.threshold] for r in records],
+            ]
+        return message
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -341,6 +364,7 @@ class Member:
                 left=int(message.get("left", 0)),
             )
             self._joining = False
+            self._round_at = time.monotonic()
             self.history.rounds += 1
             self._set(round=info, ends=frozenset(), cut=frozenset(), waiting=0, gen=info.gen)
         elif kind == "over":

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from struct import Struct
 
-RECORD = Struct("<QqId4x")
-"""seq, step, phase, since: 32 bytes."""
+RECORD = Struct("<QqIdf")
+"""seq, step, phase, since, threshold: 32 bytes."""
 _SEQ = Struct("<Q")
 READ_TRIES = 5
 
@@ -51,6 +51,9 @@ class Progress:
     phase: Phase
     since: float
     """When it entered this phase of this step (``time.monotonic()``)."""
+    threshold: float = 0.0
+    """How long this worker's steps say a wait may last before it is a hang (learned by the
+    worker from its own step times: :class:`ddpjob_worker.hang.StepTimes`); 0: not known."""
 
 
 def path_for(directory: Path, local_rank: int) -> Path:
@@ -62,7 +65,8 @@ class ProgressWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # No O_TRUNC: a restarted worker's record is never empty for its agent to read.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, RECORD.size)
             self._map = mmap.mmap(fd, RECORD.size)
@@ -71,17 +75,26 @@ class ProgressWriter:
         self._seq = 0
         self.mark(0, Phase.IDLE)
 
-    def mark(self, step: int, phase: Phase, now: float | None = None) -> None:
+    def mark(
+        self, step: int, phase: Phase, now: float | None = None, threshold: float = 0.0
+    ) -> None:
         when = time.monotonic() if now is None else now
         self._seq += 1  # odd: being written
         _SEQ.pack_into(self._map, 0, self._seq)
-        RECORD.pack_into(self._map, 0, self._seq, step, int(phase), when)
+        RECORD.pack_into(self._map, 0, self._seq, step, int(phase), when, threshold)
         self._seq += 1  # even: whole
         _SEQ.pack_into(self._map, 0, self._seq)
 
     def close(self) -> None:
         with contextlib.suppress(ValueError, BufferError):
             self._map.close()
+
+
+def node_records(directory: Path, since: float) -> list[Progress]:
+    """The records of this node's local ranks in ``directory`` written at or after ``since``
+    (a worker of an earlier round left the others)."""
+    found = (read(path) for path in sorted(directory.glob("rank*.progress")))
+    return [record for record in found if record is not None and record.since >= since]
 
 
 def read(path: Path) -> Progress | None:
@@ -95,10 +108,10 @@ def read(path: Path) -> Progress | None:
             data = os.pread(fd, RECORD.size, 0)
             if len(data) < RECORD.size:
                 return None
-            seq, step, phase, since = RECORD.unpack(data)
-            if seq % 2 == 0 and _SEQ.unpack(os.pread(fd, _SEQ.size, 0))[0] == seq:
+            seq, step, phase, since, threshold = RECORD.unpack(data)
+            if seq % 2 == 0 and os.pread(fd, _SEQ.size, 0) == data[: _SEQ.size]:
                 try:
-                    return Progress(step=step, phase=Phase(phase), since=since)
+                    return Progress(step, Phase(phase), since, threshold)
                 except ValueError:
                     return None
         return None

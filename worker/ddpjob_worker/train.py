@@ -47,15 +47,17 @@ import os
 import random
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from ddpjob_worker import snapdir
+from ddpjob_worker import progress, snapdir
 from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
+from ddpjob_worker.hang import StepTimes
+from ddpjob_worker.progress import Phase
 from ddpjob_worker.snapshot import SLOTS, Snapshot, SnapshotError, SnapshotFile
 
 logger = logging.getLogger("ddpjob_worker.train")
@@ -291,6 +293,12 @@ class TrainState:
             self._path = None
         self._file: SnapshotFile | None = None
         self._pending: int | None = None
+        self._progress = _progress_writer(os.environ)
+        self._step_times = StepTimes()
+        self._collective = False
+        """This step's gradients went to the all-reduce (the hook marked it)."""
+        if self._progress is not None:
+            _watch_collective(model, self._entered_collective)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -298,13 +306,16 @@ class TrainState:
         """Restore (once), then yield this rank's indices for each next step until the
         sampler's epochs are done. A batch whose step was not committed is yielded again."""
         if self.restored is None:
+            self._mark(Phase.IDLE)
             self.restore()
         while True:
             rank, world = _rank_world()
             batch = self.sampler.next_batch(rank, world)
             if batch is None:
+                self._mark(Phase.IDLE)
                 return
             self._pending = batch.consumed
+            self._mark(Phase.COMPUTE)
             yield batch.indices
 
     @contextlib.contextmanager
@@ -313,11 +324,29 @@ class TrainState:
         :meth:`batches` yielded, count the step, write the snapshot. An exception commits
         nothing."""
         yield
+        self._mark(Phase.COMMIT)
         if self._pending is not None:
             self.sampler.advance(self._pending)
             self._pending = None
         self.step_no += 1
         self.snapshot()
+
+    # -- progress (hang detection) --------------------------------------------------------------
+
+    def _mark(self, phase: Phase) -> None:
+        """Tell the agent where this worker is (:mod:`ddpjob_worker.progress`)."""
+        if self._progress is None:
+            return
+        now = time.monotonic()
+        if phase is Phase.COMPUTE:
+            self._collective = False
+            self._step_times.observe(progress.Progress(self.step_no, phase, now))
+        self._progress.mark(self.step_no, phase, now, self._step_times.threshold())
+
+    def _entered_collective(self) -> None:
+        if not self._collective:
+            self._collective = True
+            self._mark(Phase.COLLECTIVE)
 
     # -- the state ----------------------------------------------------------------------------
 
@@ -486,6 +515,47 @@ class TrainState:
                 f"{sums}); the snapshots are inconsistent: remove the job's snapshot directory "
                 f"({self._path.parent if self._path else 'none'}) to resume from a checkpoint"
             )
+
+
+def _progress_writer(env: dict[str, str] | os._Environ[str]) -> progress.ProgressWriter | None:
+    """This local rank's progress record, in the agent's directory; None outside a
+    ddpjob-agent (nobody would read it) or where it cannot be made."""
+    directory = env.get(DDPJOB_SNAPSHOT_DIR)
+    if not directory:
+        return None
+    path = progress.path_for(Path(directory), int(env.get("LOCAL_RANK", "0")))
+    try:
+        return progress.ProgressWriter(path)
+    except OSError as exc:
+        logger.warning("no progress record for hang detection (%s): %s", path, exc)
+        return None
+
+
+def _watch_collective(model: torch.nn.Module, entered: Callable[[], None]) -> None:
+    """Call ``entered()`` when a step's gradients go to DDP's all-reduce: a communication hook
+    that marks it, then all-reduces as DDP's default does. A model that is not DDP, or that
+    has a hook of its own already, is not watched (hang detection then sees no rank waiting
+    in the collective, and pins nothing)."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+
+    def hook(state: object, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        entered()
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+    # DDP checks a hook's annotations as objects, and this module's are strings.
+    hook.__annotations__ = {
+        "state": object,
+        "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    try:
+        model.register_comm_hook(None, hook)
+    except RuntimeError as exc:
+        logger.warning("hang detection does not see this model's all-reduce: %s", exc)
 
 
 def _rank_world() -> tuple[int, int]:
