@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--drop-on-restart", type=int, default=-1)
+    parser.add_argument("--ballast-mb", type=int, default=0, help="MB more state per snapshot")
     parser.add_argument("--hang-at", type=int, default=-1)
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-marker", type=Path)
@@ -60,8 +61,12 @@ def main() -> None:
     model = DistributedDataParallel(net)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     data = torch.randn(4096, 16, generator=torch.Generator().manual_seed(1))
+    ballast = {"ballast": torch.zeros(args.ballast_mb << 18)} if args.ballast_mb else {}
     state = TrainState(
-        model=model, optimizer=opt, sampler=ElasticSampler(len(data), batch_size=8, seed=0)
+        model=model,
+        optimizer=opt,
+        sampler=ElasticSampler(len(data), batch_size=8, seed=0),
+        extra=ballast,
     )
     for indices in state.batches():
         if state.restored is not None and state.step_no == state.restored.step:

@@ -1,0 +1,231 @@
+"""Benchmark: steps lost per failure, with the training-state API against checkpoints on disk.
+
+Each run starts a job of 3 local agents (``tests.harness``: real agents, real workers, gloo),
+lets it train, injects one fault at a random point of a step once every rank is past step
+``--fault-after``, and lets the survivors finish. Steps lost = the newest step any rank had
+committed before the fault, less the step the job resumed at (a step redone counts as lost).
+
+* ``ddpjob``: ``ddpjob-agent`` running ``tests/integration/snap_train.py`` on
+  ``ddpjob_worker.train`` (a snapshot in memory after every step, the restore from the
+  survivors, hang detection).
+* ``torchrun``: stock torchrun running ``examples/train.py``, a checkpoint on disk every
+  ``--ckpt-every`` steps: the baseline.
+
+Faults: ``worker`` (one worker SIGKILLed), ``pod`` (a pod's agent and worker SIGKILLed),
+``freeze`` (a pod SIGSTOPped whole), ``copy`` (a worker SIGKILLed while it writes its
+snapshot: ddpjob only, seen in its progress record), ``two`` (two pods' workers SIGKILLed in
+one step), ``grow`` (a third pod joins a job of two), ``hang`` (a worker deadlocks before its
+backward: ddpjob only, where hang detection cuts it; torchrun would wait for gloo's 30 min).
+
+Usage: ``python bench/bench_zero_loss.py --runs 10 [--fault worker ...] [--json out.json]``;
+prints a table (median and worst steps lost per fault and mode, recovery seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from ddpjob_worker.progress import Phase, path_for, read  # noqa: E402
+from tests.harness import TRAIN, Cluster, Node  # noqa: E402
+
+SNAP = REPO / "tests" / "integration" / "snap_train.py"
+FAULTS = ("worker", "pod", "freeze", "copy", "two", "grow", "hang")
+ONLY_DDPJOB = {"copy", "hang"}
+STEP_SLEEP = 0.1
+CAP_SECONDS = 240.0
+
+
+def snap_records(text: str, kind: str) -> list[dict[str, str]]:
+    pattern = rf"SNAP {kind}((?: \w+=[^\s]+)+)"
+    return [
+        dict(item.split("=", 1) for item in m.group(1).split()) for m in re.finditer(pattern, text)
+    ]
+
+
+STEP_LINE = re.compile(r"^DDPJOB step=(\d+) rank=(\d+)", re.MULTILINE)
+RESUME_LINE = re.compile(r"^DDPJOB resume step=(\d+) rank=(\d+)", re.MULTILINE)
+
+
+def committed(mode: str, text: str) -> list[int]:
+    """The steps committed in a log, in order (as the count of steps done)."""
+    if mode == "ddpjob":
+        return [int(r["step"]) for r in snap_records(text, "committed")]
+    return [int(m.group(1)) + 1 for m in STEP_LINE.finditer(text)]
+
+
+def resumed(mode: str, text: str) -> list[int]:
+    """The steps the log's workers resumed at, in order (the first: the job's start)."""
+    if mode == "ddpjob":
+        return [int(r["step"]) for r in snap_records(text, "resumed")]
+    return [int(m.group(1)) for m in RESUME_LINE.finditer(text)]
+
+
+def wait(what: str, check: Any, cap: float, poll: float = 0.02) -> None:
+    deadline = time.monotonic() + cap
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(poll)
+    raise TimeoutError(what)
+
+
+def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix=f"zero-{mode}-{fault}-", dir=args.tmp))
+    cluster = Cluster(root, min_nodes=2, max_nodes=3)
+    steps = args.steps
+    if mode == "ddpjob":
+        script, train = SNAP, ["--steps", str(steps), "--step-sleep", str(STEP_SLEEP)]
+        if fault == "copy":
+            train += ["--ballast-mb", "32"]  # a copy long enough to be caught in
+        if fault == "hang":
+            train += ["--hang-at", str(args.fault_after + 2), "--hang-rank", "2"]
+            train += ["--hang-marker", str(root / "hung-once")]
+    else:
+        script = TRAIN
+        train = ["--steps", str(steps), "--step-sleep", str(STEP_SLEEP)]
+        train += ["--ckpt-every", str(args.ckpt_every)]
+    env = {"DDPJOB_WARM_WORKERS": "0"}
+    start = 2 if fault == "grow" else 3
+    nodes: list[Node] = [
+        cluster.start(i, train, stock=mode == "torchrun", env=env, script=script)
+        for i in range(start)
+    ]
+    result: dict[str, Any] = {"mode": mode, "fault": fault}
+    try:
+        wait(
+            "every rank past the fault step",
+            lambda: all(
+                max(committed(mode, n.text()), default=0) >= args.fault_after for n in nodes
+            ),
+            CAP_SECONDS,
+        )
+        if fault != "hang":
+            time.sleep(rng.uniform(0.0, STEP_SLEEP * 1.5))  # a random point of a step
+        at = time.monotonic()
+        old = list(nodes)  # the nodes of the job the fault hit
+        inject(fault, mode, cluster, nodes, train, env, script)
+        survivors = [n for n in nodes if fault not in ("pod", "freeze") or n.index != 2]
+        for node in survivors:
+            code = node.wait_exit(CAP_SECONDS)
+            if code != 0:
+                result["outcome"] = f"node {node.index} exited {code}"
+                return result
+        result["to_end_s"] = round(time.monotonic() - at, 2)
+        # Before: the newest step any of the job's first workers committed. After: the step
+        # the next workers resumed at (the earliest, when there were several restarts).
+        before = max(max(committed(mode, first_gen(mode, n.text())), default=0) for n in old)
+        after = [r for n in survivors for r in resumed(mode, n.text())[1:]]
+        after += [r for n in nodes if n not in old for r in resumed(mode, n.text())]
+        resume = min(after, default=0)
+        result.update(before=before, resume=resume, lost=max(0, before - resume))
+        done = [max(committed(mode, n.text()), default=0) for n in survivors]
+        result["outcome"] = "ok" if all(d >= steps for d in done) else "unfinished"
+        return result
+    except TimeoutError as exc:
+        result["outcome"] = f"timeout: {exc}"
+        return result
+    finally:
+        cluster.kill_all()
+
+
+def first_gen(mode: str, text: str) -> str:
+    """A node's log up to its second worker's start: its first worker's lines."""
+    mark = "SNAP start" if mode == "ddpjob" else "DDPJOB resume"
+    return mark.join(text.split(mark)[:2])
+
+
+def inject(
+    fault: str,
+    mode: str,
+    cluster: Cluster,
+    nodes: list[Node],
+    train: list[str],
+    env: dict[str, str],
+    script: Path,
+) -> None:
+    if fault == "worker":
+        _kill_workers(nodes[1])
+    elif fault == "pod":
+        nodes[2].kill_node()
+    elif fault == "freeze":
+        nodes[2].freeze()
+    elif fault == "two":
+        _kill_workers(nodes[1])
+        _kill_workers(nodes[2])
+    elif fault == "grow":
+        nodes.append(cluster.start(2, train, stock=mode == "torchrun", env=env, script=script))
+    elif fault == "copy":
+        directory = Path(snap_records(nodes[1].text(), "start")[0]["dir"])
+        record = path_for(directory, 0)
+        wait(
+            "node 1's worker writing its snapshot",
+            lambda: (r := read(record)) is not None and r.phase is Phase.COMMIT,
+            30,
+            poll=0.001,
+        )
+        _kill_workers(nodes[1])
+    elif fault == "hang":
+        wait("rank 2 hanging", lambda: "SNAP hanging" in nodes[2].text(), CAP_SECONDS)
+
+
+def _kill_workers(node: Node) -> None:
+    for pid in node.worker_pids():
+        os.kill(pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--fault", action="append", choices=FAULTS)
+    parser.add_argument("--mode", action="append", choices=("ddpjob", "torchrun"))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--fault-after", type=int, default=12)
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--tmp", default=os.environ.get("TMPDIR", "/tmp"))
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    results: list[dict[str, Any]] = []
+    modes = args.mode or ["ddpjob", "torchrun"]
+    for fault in args.fault or FAULTS:
+        for run in range(args.runs):
+            for mode in modes if run % 2 == 0 else modes[::-1]:
+                if mode == "torchrun" and fault in ONLY_DDPJOB:
+                    continue
+                result = run_once(mode, fault, args, rng)
+                results.append(result)
+                print(json.dumps(result), file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print("\n| fault | mode | ok/runs | steps lost, median [worst] | to the job's end s |")
+    print("|---|---|---|---|---|")
+    for fault in args.fault or FAULTS:
+        for mode in modes:
+            rows = [r for r in results if (r["fault"], r["mode"]) == (fault, mode)]
+            if not rows:
+                continue
+            ok = [r for r in rows if r.get("outcome") == "ok"]
+            lost = [r["lost"] for r in ok]
+            secs = [r["to_end_s"] for r in ok]
+            shown = f"{statistics.median(lost):g} [{max(lost)}]" if lost else "-"
+            took = f"{statistics.median(secs):.1f}" if secs else "-"
+            print(f"| {fault} | {mode} | {len(ok)}/{len(rows)} | {shown} | {took} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
