@@ -14,7 +14,6 @@ from ddpjob_worker.hang import (
     FLOOR_SECONDS,
     WARMUP_STEPS,
     StepTimes,
-    most_behind,
     stuck,
 )
 from ddpjob_worker.progress import RECORD, Phase, Progress, ProgressWriter, path_for, read
@@ -142,14 +141,6 @@ def test_a_rank_ahead_of_the_waiting_ones_is_not_the_culprit() -> None:
     # finished step 12 and was restarted, say): it does not hold step 12 up.
     records = {0: p(12, W, 100.0), 1: p(12, W, 100.0), 2: p(13, C, 100.0)}
     assert stuck(records, now=110.0, threshold=5.0) == set()
-
-
-def test_a_node_speaks_through_its_most_behind_rank() -> None:
-    assert most_behind({}) is None
-    node = {0: p(12, W, 100.0), 1: p(12, C, 101.0), 2: p(13, C, 99.0)}
-    assert most_behind(node) == p(12, C, 101.0)
-    waiting = {0: p(12, W, 101.0), 1: p(12, W, 100.0)}
-    assert most_behind(waiting) == p(12, W, 100.0)
 
 
 def test_the_hang_modules_import_without_torch() -> None:

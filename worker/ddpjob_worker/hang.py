@@ -37,12 +37,13 @@ WINDOW = 200
 
 
 class StepTimes:
-    """One rank's recent step times, learned from its records as its agent reads them."""
+    """One rank's recent step times, learned by its worker from its own steps' starts."""
 
     def __init__(self) -> None:
         self._times: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._last: tuple[int, float] | None = None
         self._seen = 0
+        self._threshold = FLOOR_SECONDS
 
     def observe(self, progress: Progress) -> None:
         """A record read: a step that moved on gives the time since the step before moved."""
@@ -53,14 +54,15 @@ class StepTimes:
             self._seen += 1
             if self._seen > WARMUP_STEPS:
                 self._times.append(max(0.0, progress.since - last[1]))
+                ordered = sorted(self._times)
+                p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+                self._threshold = max(FLOOR_SECONDS, FACTOR * p99)
         self._last = (progress.step, progress.since)
 
     def threshold(self) -> float:
-        if not self._times:
-            return FLOOR_SECONDS
-        ordered = sorted(self._times)
-        p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-        return max(FLOOR_SECONDS, FACTOR * p99)
+        """The threshold as of the last step time (worked out once per step, not per read:
+        the worker asks at every mark)."""
+        return self._threshold
 
 
 def stuck(records: Mapping[K, Progress], now: float, threshold: float) -> set[K]:
@@ -84,17 +86,6 @@ def stuck(records: Mapping[K, Progress], now: float, threshold: float) -> set[K]
         and record.step <= step
         and now - record.since > threshold
     }
-
-
-def most_behind(records: Mapping[K, Progress]) -> Progress | None:
-    """Of one node's local ranks, the record that speaks for the node: the lowest step, and
-    at that step a rank outside the collective before one in it, the longest there first."""
-    if not records:
-        return None
-    return min(
-        records.values(),
-        key=lambda r: (r.step, r.phase is Phase.COLLECTIVE, r.since),
-    )
 
 
 def heard(raw: object, now: float) -> tuple[int, list[Progress]] | None:

@@ -8,8 +8,8 @@ communication hook), ``COMMIT`` while the step's snapshot is written, ``IDLE`` o
 (the restore, the end). A mark is one ``struct.pack_into`` into an mmap, under a sequence
 number that is odd while the record is written (a seqlock, as the snapshot slots have), so a
 reader in another process never takes a torn record. The agent reads each local rank's record
-with one ``pread`` and :mod:`ddpjob_worker.hang` decides, from every rank's record, which one
-holds the others up.
+with two ``pread`` calls (the record, then its sequence again), and the store host's hub
+decides with :mod:`ddpjob_worker.hang`, from every rank's record, which one holds the others up.
 
 The record is ``rank<local rank>.progress`` in the agent's snapshot directory
 (:mod:`ddpjob_worker.snapdir`). Times are ``time.monotonic()`` seconds: a worker and its
