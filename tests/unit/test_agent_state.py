@@ -246,12 +246,15 @@ MEMBERSHIP_CORE = (
     "ddpjob_worker.failover",
     "ddpjob_worker.advert",
     "ddpjob_worker.hub",
+    "ddpjob_worker.hubwatch",
+    "ddpjob_worker.suspicion",
     "ddpjob_worker.member",
     "ddpjob_worker.wire",
 )
 """What the agent knows of membership without torch: the restart ledger, node names, the run's
 keys, the peer watch, blame, the failover and fencing rules, the liveness answer, and the hub
-and its members (the store host's single writer of rounds). One job of
+(the store host's single writer of rounds), its watch over its members and their suspicions,
+and the members. One job of
 1,024 pods runs many of these to a process, with no torch and no worker processes."""
 
 

@@ -15,10 +15,11 @@ TCP connection four times a second. Both grow with the job. Here:
   (:func:`ddpjob_worker.failover.has_quorum`). It tells each member its rank and the world
   size; the first few ranks (who would host the next generation) also get the whole round, the
   base of the next majority.
-* **A cut needs a second opinion, and cuts are batched**
-  (:mod:`ddpjob_worker.suspicion`): a member whose connection closed is probed at its liveness
-  socket; one gone quiet is probed by other members, and one of them hearing it keeps it in.
-  64 members of a node frozen at once are one round change, not 64.
+* **A cut needs a second opinion, and cuts are batched** (:mod:`ddpjob_worker.hubwatch`
+  keeps the cases, :mod:`ddpjob_worker.suspicion` decides them): a member whose connection
+  closed is probed at its liveness socket; one gone quiet is probed by other members, and one
+  of them hearing it keeps it in. 64 members of a node frozen at once are one round change,
+  not 64.
 * **Fenced by generation.** Every message carries the hub's generation and round; a member
   of another round is not believed.
 * **Judging nobody after its own stall.** A hub whose loop did not run for a while (frozen,
@@ -39,28 +40,19 @@ from collections.abc import Callable, Iterable, Mapping
 
 from ddpjob_worker import hang, liveness
 from ddpjob_worker.failover import has_quorum
+from ddpjob_worker.hubwatch import TICK_SECONDS, HubWatch
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent
 from ddpjob_worker.progress import Progress
-from ddpjob_worker.suspicion import (
-    SILENT_AFTER_SECONDS,
-    Suspicion,
-    after_stall,
-    judge,
-    observers,
-)
 from ddpjob_worker.wire import MAX_LINE, Message, Wire
 
 logger = logging.getLogger("ddpjob_worker.hub")
 
 HEARTBEAT_SECONDS = 0.5
 """How often a member tells the hub it is alive (and the hub answers)."""
-TICK_SECONDS = 0.1
 CHAIN = 4
 """The first ranks of a round, which would host the next generation in turn: they get the
 whole round (the next majority's base)."""
-STALL_SECONDS = 1.0
-"""A hub tick this late means the hub itself was stalled: it judges nobody for that time."""
 VETO_LOG_SECONDS = 5.0
 """How often a round fenced for lack of a majority says so."""
 
@@ -71,7 +63,6 @@ class _Session:
     index: int | None
     liveness: str | None
     writer: asyncio.StreamWriter
-    heard: float
     fresh: bool = False
     """It was never given a round (a new pod): the old holder of its index yields to it."""
     boot: object = None
@@ -128,9 +119,11 @@ class Hub:
         self._expected: frozenset[NodeIdent] | None = (
             None if expected is None else frozenset(expected)
         )
-        self._probe = probe
         self._clock = clock
         self._sessions: dict[NodeIdent, _Session] = {}
+        self._watch = HubWatch(
+            self._sessions, send=self._send_to, cut=self._cut, probe=probe, clock=clock
+        )
         self._round = 0
         self._forming = True
         self._call_at: float | None = None
@@ -146,12 +139,8 @@ class Hub:
         """The expected members not in it yet."""
         self._ack_line: bytes | None = None
         self._ack_round = -1
-        self._suspects: dict[NodeIdent, Suspicion] = {}
-        self._req = 0
-        self._probes: dict[int, NodeIdent] = {}
         self._cuts = 0
         self._closed = False
-        self._ticked = clock()
         self._vetoed = -VETO_LOG_SECONDS
         self._replaced: set[NodeIdent] = set()
         """Members whose pod a newcomer with their index replaced."""
@@ -213,6 +202,11 @@ class Hub:
             session.writer.write(self._wire.encode(message))
             self.sent += 1
 
+    def _send_to(self, ident: NodeIdent, message: Message) -> None:
+        session = self._sessions.get(ident)
+        if session is not None:
+            self._send(session, message)
+
     def _broadcast(self, message: Message, idents: Iterable[NodeIdent]) -> None:
         for ident in idents:
             session = self._sessions.get(ident)
@@ -233,11 +227,10 @@ class Hub:
             index=index if isinstance(index, int) else None,
             liveness=message.get("liveness") if isinstance(message.get("liveness"), str) else None,
             writer=writer,
-            heard=self._clock(),
             fresh=message.get("fresh") is True,
         )
         self._sessions[ident] = session
-        self._suspects.pop(ident, None)
+        self._watch.greeted(ident)
         self._send(session, {"t": "welcome", "gen": self.gen, "round": self._round})
         if ident in self._replaced:
             self._send(session, {"t": "replaced", "gen": self.gen})
@@ -245,14 +238,11 @@ class Hub:
 
     def _handle(self, session: _Session, message: Message) -> None:
         kind = message["t"]
-        session.heard = self._clock()
-        suspicion = self._suspects.get(session.ident)
-        if suspicion is not None and not suspicion.loud:
-            del self._suspects[session.ident]  # it speaks: not lost
+        now = self._watch.heard(session.ident)  # it speaks: not lost
         if kind == "hb":
             self._ack(session)
             if "p" in message:
-                session.progress = hang.heard(message["p"], session.heard)
+                session.progress = hang.heard(message["p"], now)
         elif kind == "join":
             session.boot = message.get("boot")
             self._join(session)
@@ -263,7 +253,7 @@ class Hub:
         elif kind == "leave":
             self._leave(session, handover=bool(message.get("handover")))
         elif kind == "probed":
-            self._probed(message)
+            self._watch.probed(message)
         elif kind == "close":
             self._closed = True
             self._broadcast({"t": "closed", "gen": self.gen}, list(self._sessions))
@@ -305,28 +295,9 @@ class Hub:
         self._unjoin(session.ident)  # it joins again once reconnected
         if session.left:
             del self._sessions[session.ident]
+            self._watch.forget(session.ident)
             return
-        # Its connection closed: ask its liveness socket whether its agent is gone.
-        self._suspects[session.ident] = Suspicion.closed(self._clock())
-        if session.liveness is not None:
-            task = asyncio.get_running_loop().run_in_executor(None, self._probe, session.liveness)
-            task.add_done_callback(lambda done: self._self_probed(session.ident, done))
-
-    def _self_probed(self, ident: NodeIdent, done: asyncio.Future[Health]) -> None:
-        suspicion = self._suspects.get(ident)
-        if suspicion is None or done.cancelled() or done.exception() is not None:
-            return
-        suspicion.answers.append(done.result())
-
-    def _probed(self, message: Message) -> None:
-        target = self._probes.pop(int(message.get("req", -1)), None)
-        suspicion = self._suspects.get(target) if target is not None else None
-        if suspicion is None:
-            return
-        try:
-            suspicion.answers.append(Health(message.get("health")))
-        except ValueError:
-            return
+        self._watch.closed(session.ident, session.liveness)
 
     # -- rounds ----------------------------------------------------------------------------------
 
@@ -529,92 +500,15 @@ class Hub:
                 logger.exception("hub tick failed")
 
     def _tick(self) -> None:
-        now = self._clock()
-        if now - self._ticked > STALL_SECONDS:
-            # We did not run: we heard nothing because we listened to nothing.
-            stalled = now - self._ticked - TICK_SECONDS
-            logger.warning(
-                "the hub's loop did not run for %.1fs (this process was frozen or starved): "
-                "judging nobody for that time",
-                stalled,
-            )
-            for each in self._sessions.values():
-                each.heard = now
-            self._suspects = after_stall(self._suspects, stalled)
-        self._ticked = now
-        members = set(self._participants) if not self._forming else set(self._sessions)
-        for ident in members:
-            found = self._sessions.get(ident)
-            if found is None or ident in self._suspects or found.left:
-                continue
-            if now - found.heard >= SILENT_AFTER_SECONDS:
-                self._suspect(found, now)
-        self._judge(now)
-        self._hangs(now)
-        self._maybe_complete()
-
-    def _hangs(self, now: float) -> None:
-        """Cut the members whose worker holds the round up while most wait in its collective
-        (:mod:`ddpjob_worker.hang`), as if they were silent."""
         if self._forming:
-            return
-        reports = {
-            ident: session.progress[1]
-            for ident in self._participants
-            if (session := self._sessions.get(ident)) is not None
-            and session.progress is not None
-            and session.progress[0] == self._round
-            and ident not in self._suspects
-        }
-        stuck, threshold = hang.stuck_members(reports, now)
-        if not stuck:
-            return
-        logger.warning(
-            "%d member(s) hold round %d.%d up: their workers have not reached the collective "
-            "that most of the others have waited in for over %.1fs (hung): %s",
-            len(stuck),
-            self.gen,
-            self._round,
-            threshold,
-            ", ".join(sorted(stuck)[:8]),
-        )
-        self._cut(dict.fromkeys(stuck, Health.SILENT))
-
-    def _suspect(self, session: _Session, now: float) -> None:
-        """Ask other members, heard from lately, to probe a member gone quiet."""
-        suspicion = Suspicion.quiet(now)
-        self._suspects[session.ident] = suspicion
-        if session.liveness is None:
-            return
-        heard = (
-            s.ident
-            for s in self._sessions.values()
-            if not s.closed
-            and s.ident not in self._suspects
-            and now - s.heard < SILENT_AFTER_SECONDS
-        )
-        for observer in observers(session.ident, heard):
-            self._req += 1
-            self._probes[self._req] = session.ident
-            suspicion.asked.add(observer)
-            self._send(
-                self._sessions[observer],
-                {"t": "probe", "req": self._req, "target": session.liveness},
-            )
-
-    def _judge(self, now: float) -> None:
-        judgement = judge(self._suspects, now)
-        for ident in judgement.cleared:
-            del self._suspects[ident]
-            session = self._sessions.get(ident)
-            if session is not None:
-                session.heard = now
-        if judgement.cut:
-            self._cut(judgement.cut)
+            self._watch.tick(set(self._sessions), None)
+        else:
+            self._watch.tick(list(self._participants), (f"{self.gen}.{self._round}", self._round))
+        self._maybe_complete()
 
     def _cut(self, lost: Mapping[NodeIdent, Health]) -> None:
         for ident, verdict in lost.items():
-            self._suspects.pop(ident, None)
+            self._watch.forget(ident)
             session = self._sessions.pop(ident, None)
             if session is not None:
                 session.closed = True

@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddpjob_worker import liveness
-from ddpjob_worker.hub import HEARTBEAT_SECONDS, STALL_SECONDS
+from ddpjob_worker.hub import HEARTBEAT_SECONDS
+from ddpjob_worker.hubwatch import STALL_SECONDS
 from ddpjob_worker.liveness import Answer, Health
 from ddpjob_worker.nodes import NodeIdent
 from ddpjob_worker.progress import Progress
