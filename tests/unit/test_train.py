@@ -67,7 +67,9 @@ def test_bad_sampler_arguments_are_named() -> None:
         other.load_state_dict(ElasticSampler(5).state_dict())
 
 
-def make_state(path: Path | None, *, extra: dict[str, int] | None = None) -> TrainState:
+def make_state(
+    path: Path | None, *, extra: dict[str, int] | None = None, checkpoint: Path | None = None
+) -> TrainState:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -80,6 +82,7 @@ def make_state(path: Path | None, *, extra: dict[str, int] | None = None) -> Tra
         extra={} if extra is None else extra,
         path=path,
         snapshots=path is not None,
+        checkpoint=checkpoint,
     )
 
 
@@ -137,6 +140,39 @@ def test_each_commit_is_snapshotted_and_a_restart_resumes_where_it_was(tmp_path:
     train(reference, 8)  # the same 8 steps without a restart
     assert model_checksum(again.model) == model_checksum(reference.model)
     assert again.extra == reference.extra
+
+
+def test_with_no_snapshot_anywhere_the_checkpoint_on_disk_is_the_fallback(
+    tmp_path: Path,
+) -> None:
+    """Snapshots lost (a node's memory gone with it): the restore falls back to the last
+    checkpoint on disk, and the steps after it are trained again to the same model."""
+    ckpt = tmp_path / "disk" / "latest.pt"
+    first = make_state(tmp_path / "a.snap", checkpoint=ckpt)
+    assert first.restore().checkpoint is False  # no checkpoint yet: a fresh start
+    train(first, 4)
+    assert first.save_checkpoint()
+    train(first, 6)  # two steps past the checkpoint, then every snapshot is lost
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["latest.pt"]  # no temporary left
+
+    again = make_state(tmp_path / "b.snap", checkpoint=ckpt)
+    train(again, 8)
+    assert again.restored is not None
+    assert (again.restored.step, again.restored.checkpoint, again.restored.source) == (
+        4,
+        True,
+        None,
+    )
+    reference = make_state(None)
+    train(reference, 8)
+    assert model_checksum(again.model) == model_checksum(reference.model)
+    assert again.extra == reference.extra
+
+    newer = make_state(tmp_path / "b.snap", checkpoint=ckpt)
+    assert newer.restore().step == 8  # a snapshot anywhere wins over the checkpoint
+    assert newer.restored is not None and newer.restored.checkpoint is False
+    with pytest.raises(ValueError, match="checkpoint=<path>"):
+        make_state(None).save_checkpoint()
 
 
 def test_an_uncommitted_step_is_not_counted_and_its_batch_comes_again(tmp_path: Path) -> None:

@@ -26,6 +26,12 @@ and CRC load their own copy; the others (a replacement process, a rank whose fil
 one step behind) receive the source's bytes by broadcast. Then all ranks compare a checksum of
 their model state and fail loudly if they differ.
 
+Checkpoints on disk stay, less often, as the fallback when no rank holds a snapshot (most
+pods lost at once, a job started again): ``TrainState(checkpoint=path)``, and
+:meth:`TrainState.save_checkpoint` every K steps (rank 0 writes, atomically). The restore
+reads it only when no rank holds a snapshot; rank 0 reads the file and sends it to the others
+(on a cluster the others may not see the same volume).
+
 The generation written with a snapshot is ``TORCHELASTIC_RESTART_COUNT``, what both torchrun
 and ddpjob-agent give every worker (it grows with each restart after a failure). The restore
 picks by step, not generation: the counter is per node, and a scale-up restart does not
@@ -58,6 +64,7 @@ from ddpjob_worker import progress, snapdir
 from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
 from ddpjob_worker.hang import StepTimes
 from ddpjob_worker.progress import Phase
+from ddpjob_worker.saving import saving
 from ddpjob_worker.snapshot import SLOTS, Snapshot, SnapshotError, SnapshotFile
 
 logger = logging.getLogger("ddpjob_worker.train")
@@ -253,10 +260,12 @@ class Restored:
 
     step: int
     source: int | None
-    """The rank whose snapshot was used; None for a fresh start."""
+    """The rank whose snapshot was used; None for a checkpoint or a fresh start."""
     local: bool
     """This rank loaded its own copy (False: received by broadcast, or a fresh start)."""
     nbytes: int
+    checkpoint: bool = False
+    """It came from the checkpoint on disk (no rank held a snapshot)."""
 
 
 class TrainState:
@@ -273,15 +282,19 @@ class TrainState:
         seed: int | None = None,
         path: Path | None = None,
         snapshots: bool = True,
+        checkpoint: Path | str | None = None,
     ) -> None:
         """``path``: the snapshot file (default: :func:`snapshot_path`); ``snapshots=False``
-        keeps nothing (the loop and the sampler still work)."""
+        keeps nothing (the loop and the sampler still work). ``checkpoint``: the file on disk
+        that :meth:`save_checkpoint` writes and the restore falls back to when no rank holds
+        a snapshot (the same path on every rank; rank 0's copy is the one read)."""
         self.model = model
         self.optimizer = optimizer
         self.sampler = sampler
         self.scheduler = scheduler
         self.extra: dict[str, Any] = {} if extra is None else extra
         self.seed = sampler.seed if seed is None else seed
+        self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.step_no = 0
         """The committed step."""
         self.restored: Restored | None = None
@@ -390,6 +403,57 @@ class TrainState:
         state = torch.load(io.BytesIO(payload), weights_only=False)
         self.load_state_dict(state, rng=rng)
 
+    # -- checkpoints on disk ------------------------------------------------------------------
+
+    def save_checkpoint(self) -> bool:
+        """Write the committed state to ``checkpoint`` on rank 0 (the others do nothing):
+        a temporary file, flushed, then renamed over the old one, so a reader sees the old
+        checkpoint or the new one, never a torn file; under :func:`ddpjob_worker.saving`, so
+        ddpjob-agent lets the write finish before it stops this worker. Whether it wrote."""
+        if self.checkpoint is None:
+            raise ValueError("save_checkpoint needs TrainState(checkpoint=<path>)")
+        if _rank_world()[0] != 0:
+            return False
+        path = self.checkpoint
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with saving():
+            payload = self.payload()
+            with tmp.open("wb") as out:
+                out.write(payload)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        return True
+
+    def _from_checkpoint(self, rank: int, world: int) -> Restored:
+        """No rank holds a snapshot: rank 0's checkpoint, sent to the others, or a fresh
+        start. Collective when there is a checkpoint path."""
+        fresh = Restored(step=0, source=None, local=False, nbytes=0)
+        if self.checkpoint is None:
+            return fresh
+        mine: bytes | None = None
+        if rank == 0:
+            try:
+                mine = self.checkpoint.read_bytes()
+            except FileNotFoundError:
+                mine = b""
+        payload = (mine or b"") if world == 1 else _broadcast_bytes(mine, 0)
+        if not payload:
+            return fresh
+        self.load_payload(payload, rng=rank == 0)
+        if rank != 0:
+            seed_rng(derived_seed(self.seed, rank, self.step_no))
+        logger.info(
+            "rank %d: no rank holds a snapshot; resumed at step %d from the checkpoint %s",
+            rank,
+            self.step_no,
+            self.checkpoint,
+        )
+        return Restored(
+            step=self.step_no, source=None, local=rank == 0, nbytes=len(payload), checkpoint=True
+        )
+
     # -- snapshots ----------------------------------------------------------------------------
 
     def snapshot(self) -> None:
@@ -475,7 +539,7 @@ class TrainState:
         infos = [info[1:] if info[0] else None for info in _all_gather(mine, world)]
         held = [(info[0], -r) for r, info in enumerate(infos) if info is not None]
         if not held:
-            self.restored = Restored(step=0, source=None, local=False, nbytes=0)
+            self.restored = self._from_checkpoint(rank, world)
         else:
             step, neg = max(held)
             source = -neg
@@ -579,7 +643,7 @@ def _broadcast_bytes(payload: bytes | None, source: int) -> bytes:
     """``source``'s bytes on every rank: their length, then a flat uint8 tensor."""
     length = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
     dist.broadcast(length, source)
-    if payload is not None:
+    if payload:
         buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     else:
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
