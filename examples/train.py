@@ -1,9 +1,13 @@
 """A small real DDP training job: an MLP on seeded synthetic data, on CPU with gloo (or GPU).
 
 Run it under ``ddpjob-agent`` (or torchrun), or alone. It resumes from the latest checkpoint and
-prints parseable, flushed lines that the tests and the benchmark read::
+prints parseable, flushed lines that the tests and the benchmark read. With ``--snapshots`` it
+runs on the training-state API (:mod:`ddpjob_worker.train`, :func:`train_on_state`): every
+committed step is kept in memory and a restart resumes from the newest step any rank holds,
+the checkpoint on disk being the fallback when none does::
 
     DDPJOB resume step=<s> rank=<r> world=<w> restart=<TORCHELASTIC_RESTART_COUNT>
+        [from=<snapshot|checkpoint|none>]       (from=: with --snapshots)
     DDPJOB step=<s> rank=<r> world=<w> loss=<f>
     DDPJOB ckpt step=<s>
     DDPJOB sigterm rank=<r>
@@ -33,14 +37,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpjob_worker import init_distributed, saving
+from ddpjob_worker.train import ElasticSampler, TrainState
 
 CKPT_NAME = "latest.pt"
+STATE_CKPT_NAME = "state.pt"
 FEATURES = 32
 BATCH = 64
+SAMPLES = 8192
+"""The synthetic dataset's size with ``--snapshots`` (64 steps an epoch at world 2)."""
 
 
 def say(line: str) -> None:
-    print(f"DDPJOB {line}", flush=True)
+    sys.stdout.write(f"DDPJOB {line}\n")  # one write: the workers of a node share the log
+    sys.stdout.flush()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,7 +117,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(a vfork whose child sleeps: Linux only), like a worker wedged on a device",
     )
     parser.add_argument("--stuck-seconds", type=float, default=5.0)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="train on the training-state API: every committed step kept in memory, a restart "
+        "resumes from the newest step any rank holds (the checkpoint is the fallback); the "
+        "fault flags above but --crash-once-on-pod and --raise-at-step are not supported here",
+    )
+    args = parser.parse_args(argv)
+    if args.snapshots:
+        unsupported = [
+            flag
+            for flag, value in (
+                ("--crash-always", args.crash_always),
+                ("--abort-at-exit-once-on-pod", args.abort_at_exit_once_on_pod is not None),
+                ("--stuck-at-step", args.stuck_at_step is not None),
+                ("--ckpt-write-seconds", args.ckpt_write_seconds),
+            )
+            if value
+        ]
+        if unsupported:
+            parser.error(f"{', '.join(unsupported)}: not supported with --snapshots")
+    return args
 
 
 def crash_marker(ckpt_dir: str, pod: int) -> Path:
@@ -168,6 +198,72 @@ def save(
     say(f"ckpt step={step}")
 
 
+def dataset(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--snapshots``' data: SAMPLES seeded samples, the same in every process."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, FEATURES, generator=gen)
+    return x.to(device), x[:, :4].sum(dim=1, keepdim=True).to(device)
+
+
+def train_on_state(args: argparse.Namespace, info: Any) -> int:
+    """The loop on :class:`ddpjob_worker.train.TrainState`: a few changed lines from
+    :func:`main`'s. The sampler splits what is left of an epoch over the ranks of any world
+    size, so a change of world size neither skips nor repeats a sample."""
+    rank, world = info.rank, info.world_size
+    model = build_model().to(info.device)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    state = TrainState(
+        model=ddp,
+        optimizer=optimizer,
+        sampler=ElasticSampler(SAMPLES, batch_size=BATCH, seed=0, epochs=1_000_000),
+        checkpoint=Path(args.ckpt_dir) / STATE_CKPT_NAME,
+    )
+    x, y = dataset(info.device)
+    pod = os.environ.get("DDPJOB_POD_INDEX")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    said = False
+    for indices in state.batches():  # restores first
+        step = state.step_no
+        if not said and state.restored is not None:
+            restored = state.restored
+            origin = "snapshot" if restored.source is not None else "none"
+            origin = "checkpoint" if restored.checkpoint else origin
+            say(f"resume step={step} rank={rank} world={world} restart={restart} from={origin}")
+            said = True
+        if step >= args.steps:
+            break
+        if args.crash_once_on_pod is not None and pod == str(args.crash_once_on_pod):
+            marker = crash_marker(args.ckpt_dir, args.crash_once_on_pod)
+            if step >= args.crash_step and not marker.exists():
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+                time.sleep(args.crash_delay)
+                say(f"crash pod={pod} step={step}")
+                os._exit(1)
+        if args.raise_at_step == step:
+            raise RuntimeError(args.raise_message)
+        with state.step():  # a clean exit commits the step and snapshots it
+            optimizer.zero_grad()
+            # A sum over the global batch, not a mean: a rank may get no sample at an epoch's
+            # tail, and must still take part in the all-reduce.
+            loss = (ddp(x[indices]) - y[indices]).pow(2).sum() / BATCH
+            loss.backward()
+            optimizer.step()
+        say(f"step={step} rank={rank} world={world} loss={loss.item():.6f}")
+        done = state.step_no
+        if (done % args.ckpt_every == 0 or done == args.steps) and state.save_checkpoint():
+            say(f"ckpt step={done}")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    dist.barrier()
+    say(f"done steps={state.step_no} rank={rank}")
+    del ddp, state
+    gc.collect()
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -183,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     info = init_distributed()
+    if args.snapshots:
+        return train_on_state(args, info)
     rank, world = info.rank, info.world_size
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     model = build_model().to(info.device)

@@ -5,8 +5,10 @@ from the other by broadcast. The agent removes the directory when it exits."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster, wait_until
+from tests.harness import Cluster, descendants, wait_until
 
 MakeCluster = Callable[..., Cluster]
 
@@ -148,3 +150,98 @@ def test_a_worker_hung_in_user_code_is_cut_and_the_job_resumes_at_its_step(
     assert {d["step"] for d in done} == {"40"}, cluster.logs()
     assert len({d["sum"] for d in done}) == 1  # the same model on every rank
     cluster.assert_clean()
+
+
+EXAMPLE = REPO / "examples" / "train.py"
+
+
+def example_agent(tmp_path: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """``ddpjob-agent --standalone`` with 2 workers of examples/train.py on the training-state
+    API, as pod 0 of a job (``DDPJOB_POD_INDEX``), checkpoints in ``tmp_path/ckpt``."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "DDPJOB_WARM_WORKERS": "0",
+        "DDPJOB_POD_INDEX": "0",
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO / "worker"), str(REPO), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    argv = [sys.executable, "-m", "ddpjob_worker.cli", "--standalone", "--nproc-per-node", "2"]
+    argv += ["--max-restarts", "1", "--monitor-interval", "0.1", str(EXAMPLE), "--snapshots"]
+    argv += ["--steps", "30", "--ckpt-every", "5", "--ckpt-dir", str(tmp_path / "ckpt"), *args]
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+
+
+def example_records(text: str, kind: str) -> list[dict[str, str]]:
+    pattern = rf"DDPJOB {kind}((?: \w+=[^\s]+)+)"
+    return [
+        dict(item.split("=", 1) for item in match.group(1).split())
+        for match in re.finditer(pattern, text)
+    ]
+
+
+def test_the_example_on_the_api_loses_no_step_to_a_crash_and_falls_back_to_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "agent.log"
+    # A worker exits 1 before step 12: both restart from the snapshots at step 12.
+    agent = example_agent(tmp_path, log, "--crash-once-on-pod", "0", "--crash-step", "12")
+    try:
+        assert agent.wait(120) == 0, log.read_text()
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    text = log.read_text()
+    resumes = example_records(text, "resume")
+    assert sorted((r["rank"], r["step"], r["from"]) for r in resumes) == [
+        ("0", "0", "none"),
+        ("0", "12", "snapshot"),
+        ("1", "0", "none"),
+        ("1", "12", "snapshot"),
+    ], text
+    steps = sorted((int(r), int(s)) for s, r in re.findall(r"DDPJOB step=(\d+) rank=(\d+)", text))
+    # Every step once on each rank: none lost, none trained twice.
+    assert steps == [(rank, step) for rank in (0, 1) for step in range(30)], text
+    assert [d["steps"] for d in example_records(text, "done")] == ["30", "30"]
+
+    # The agent SIGKILLed with its workers: its snapshots are gone with it (a new agent has a
+    # directory of its own), so the next one resumes from the last checkpoint on disk.
+    (tmp_path / "ckpt" / "state.pt").unlink()
+    log2 = tmp_path / "agent2.log"
+    agent = example_agent(tmp_path, log2, "--step-sleep", "0.4")
+    try:
+        # Killed 2 s (5 steps) before its next checkpoint at the latest.
+        wait_until("the checkpoint of step 15", lambda: "ckpt step=15" in log2.read_text(), 90)
+        victims = [agent.pid, *descendants(agent.pid)]  # the pod whole: torch's workers
+        os.killpg(agent.pid, signal.SIGKILL)  # run in sessions of their own
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait()
+        for left in Path("/dev/shm").glob(f"ddpjob-*-{agent.pid}"):  # its own run: nobody sweeps
+            shutil.rmtree(left)
+        ckpts = [int(c["step"]) for c in example_records(log2.read_text(), "ckpt")]
+        agent = example_agent(tmp_path, log2)
+        assert agent.wait(120) == 0, log2.read_text()
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    text = log2.read_text()
+    last = max(ckpts)
+    resumed = [r for r in example_records(text, "resume") if r["from"] != "none"]
+    assert sorted((r["rank"], r["step"], r["from"]) for r in resumed) == [
+        ("0", str(last), "checkpoint"),
+        ("1", str(last), "checkpoint"),
+    ], text
+    assert [d["steps"] for d in example_records(text, "done")] == ["30", "30"]
