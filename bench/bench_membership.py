@@ -2,10 +2,11 @@
 costs, for ddpjob-agent and for stock torch (the anchor), in the same run.
 
 Each process hosts agents on loopback addresses of their own (127.2.x.y); agent 0, which hosts
-the job's store, has a process of its own, as does each agent a fault hits alone, and the 64 of
-a "node" share one. The workers are stand-ins (no processes, no torch), so what is measured is
-the agents' own control path: the c10d rendezvous through the real TCPStore, the peer watch,
-failover and fencing. Scenarios (each run starts a fresh job):
+the job's store, has a process of its own, as do its successor (agent 1) when the host is lost
+and each agent a fault hits alone, and the 64 of a "node" share one. The workers are
+stand-ins (no processes, no torch), so what is measured is the agents' own control path: the
+c10d rendezvous through the real TCPStore, the peer watch, failover and fencing.
+Scenarios (each run starts a fresh job):
 
 * ``first``: all processes started within about a second -> one round of all N;
 * ``loud``: SIGKILL one agent -> all survivors in one round of N-1;
@@ -153,6 +154,10 @@ def run_once(
         singles = sorted(rng.sample(range(1, agents), min(4, agents - 1)))
     elif scenario == "node":
         node = list(range(agents - NODE_SIZE, agents))
+    elif scenario in ("host-loud", "host-silent"):
+        # The host's successor, who hosts the next generation, is one pod like the host:
+        # a process of its own, not a 64th of one whose agents all fail over with it.
+        singles = [1]
     log_dir = root / f"{mode}-{scenario}-{agents}-{time.monotonic_ns()}"
     log_dir.mkdir(parents=True)
     job = Job(
@@ -164,9 +169,11 @@ def run_once(
         log_dir=log_dir,
         code=args.baseline if mode == "baseline" else None,
         cpu_groups=args.cpu_groups,
+        host_weight=args.host_weight,
     )
     result: dict[str, Any] = {"mode": mode, "scenario": scenario, "agents": agents}
     result["cpu_groups"] = job.shares is not None and job.shares.on
+    result["host_weight"] = args.host_weight
     if args.switch_interval is not None:
         result["switch_interval"] = args.switch_interval
     try:
@@ -271,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="each hollow process in a CPU cgroup of equal weight, as each pod has one "
         "(default: on, where the machine lets us; the result says whether it did)",
+    )
+    parser.add_argument(
+        "--host-weight",
+        type=int,
+        default=1,
+        help="the CPU groups of the store's host and of its successor weigh this many times "
+        "another process's (default 1: equal). A diagnostic: on a cluster the host is a pod "
+        "with a node's CPU, here a share of 2 cores among all the hollow processes",
     )
     args = parser.parse_args(argv)
     if args.switch_interval is not None:

@@ -435,13 +435,19 @@ class CpuShares:
     def on(self) -> bool:
         return self.root is not None
 
-    def place(self, k: int, pid: int) -> None:
-        """Move process ``pid`` (its threads with it) into group ``k``, of default weight."""
+    def place(self, k: int, pid: int, weight: int = 1) -> None:
+        """Move process ``pid`` (its threads with it) into group ``k``, of ``weight`` times
+        the default weight."""
         if self.root is None:
             return
         group = self.root / f"p{k}"
         try:
             group.mkdir(exist_ok=True)
+            if weight != 1:
+                knob, value = (
+                    ("cpu.weight", 100 * weight) if self._v2 else ("cpu.shares", 1024 * weight)
+                )
+                (group / knob).write_text(f"{value}\n")
             (group / "cgroup.procs").write_text(f"{pid}\n")
         except OSError as exc:
             logging.getLogger(__name__).warning("no CPU group for pid %d: %s", pid, exc)
@@ -496,12 +502,15 @@ class Job:
         log_dir: Path,
         code: Path | None = None,
         cpu_groups: bool = True,
+        host_weight: int = 1,
     ) -> None:
         """``mode``: ``ddpjob`` or ``torch``; agent 0 (the store's host) and each of
         ``singles`` get a process of their own, ``node`` one together, the rest
         ``per_process`` to a process; ``code``: a checkout whose agent runs (default: this
         one); ``cpu_groups``: each process in a CPU group of its own (:class:`CpuShares`),
-        where the machine lets us."""
+        where the machine lets us; ``host_weight``: the groups of agents 0 and 1 (the store's
+        host and its successor, when they have a process of their own) weigh this many times
+        another's."""
         self.mode = mode
         self.n = agents
         self.log_dir = log_dir
@@ -562,7 +571,8 @@ class Job:
                 start_new_session=True,
             )
             if self.shares is not None:
-                self.shares.place(k, popen.pid)  # before it reads its spec: no agent runs yet
+                weight = host_weight if group in ([0], [1]) else 1
+                self.shares.place(k, popen.pid, weight)  # before it reads its spec
             assert popen.stdin is not None
             popen.stdin.write(part.to_json() + "\n")
             popen.stdin.flush()
