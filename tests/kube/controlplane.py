@@ -831,7 +831,8 @@ class ControlPlane:
         return self.pod_cidr(self._index(name))
 
     def container_log(self, node: str, uid: str, container: str, restart: int = 0) -> Path:
-        """Where the node's kubelet writes a container's log (gone once it forgets the pod)."""
+        """Where the node's kubelet writes a container's log (moved to the node's ``gone/``
+        directory, ``<namespace>_<pod>_<uid>/logs/``, once it forgets the pod)."""
         return self.workdir / "nodes" / node / "pods" / uid / "logs" / container / f"{restart}.log"
 
     def _index(self, name: str) -> int:
