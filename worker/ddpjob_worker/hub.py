@@ -187,6 +187,8 @@ class Hub:
                         continue
                     session = self._hello(message, writer)
                     continue
+                if session.closed or self._sessions.get(session.ident) is not session:
+                    break  # cut, or replaced by a new hello: what it still had buffered is stale
                 self._handle(session, message)
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass
