@@ -121,6 +121,13 @@ def test_a_rank_stuck_writing_the_step_before_is_stuck_too() -> None:
     assert stuck(records, now=110.0, threshold=5.0) == {1}
 
 
+def test_a_rank_writing_a_checkpoint_to_disk_is_never_stuck() -> None:
+    # Rank 1 committed step 12 and writes a checkpoint (save_checkpoint) while the others wait
+    # in step 13's all-reduce: slow storage, not a hang.
+    records = {0: p(13, W, 101.0), 1: p(12, Phase.SAVING, 100.0), 2: p(13, W, 101.0)}
+    assert stuck(records, now=200.0, threshold=5.0) == set()
+
+
 def test_a_slow_job_is_not_a_hung_rank() -> None:
     # Everyone computes (an evaluation, a slow step): no majority waits, nobody is pinned.
     records = {k: p(12, C, 100.0) for k in range(4)}

@@ -175,6 +175,16 @@ def test_with_no_snapshot_anywhere_the_checkpoint_on_disk_is_the_fallback(
         make_state(None).save_checkpoint()
 
 
+def test_a_checkpoint_that_cannot_be_read_is_an_error_not_a_fresh_start(
+    tmp_path: Path,
+) -> None:
+    unreadable = tmp_path / "state.pt"
+    unreadable.mkdir()  # a directory where the file should be: reading it fails
+    state = make_state(tmp_path / "a.snap", checkpoint=unreadable)
+    with pytest.raises(RuntimeError, match=r"cannot read the checkpoint \(.*state\.pt"):
+        state.restore()
+
+
 def test_an_uncommitted_step_is_not_counted_and_its_batch_comes_again(tmp_path: Path) -> None:
     state = make_state(tmp_path / "s")
     batches = state.batches()

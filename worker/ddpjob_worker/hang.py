@@ -82,7 +82,7 @@ def stuck(records: Mapping[K, Progress], now: float, threshold: float) -> set[K]
         key
         for key, record in records.items()
         if key not in waiting
-        and record.phase is not Phase.COLLECTIVE
+        and record.phase not in (Phase.COLLECTIVE, Phase.SAVING)
         and record.step <= step
         and now - record.since > threshold
     }

@@ -42,6 +42,9 @@ class Phase(enum.IntEnum):
     """Waiting in the step's all-reduce (the other ranks hold it up, or it runs)."""
     COMMIT = 3
     """The step is done; its snapshot is being written."""
+    SAVING = 4
+    """Writing a checkpoint to disk (:meth:`ddpjob_worker.train.TrainState.save_checkpoint`):
+    as long as the storage takes, never a hang (the agent lets a write finish)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -341,28 +341,60 @@ class TrainState:
         path = self.checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with saving():
-            payload = self.payload()
-            with tmp.open("wb") as out:
-                out.write(payload)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
+        # Marked SAVING: the others wait for this rank in the next step's all-reduce meanwhile,
+        # and a write slower than the hang threshold must not get its pod cut as hung.
+        self._mark(Phase.SAVING)
+        try:
+            with saving():
+                payload = self.payload()
+                with tmp.open("wb") as out:
+                    out.write(payload)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, path)
+                directory = os.open(path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(directory)  # the rename itself
+                finally:
+                    os.close(directory)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            self._mark(Phase.COMMIT)
         return True
 
     def _from_checkpoint(self, rank: int, world: int) -> Restored:
         """No rank holds a snapshot: rank 0's checkpoint, sent to the others, or a fresh
         start. Collective when there is a checkpoint path."""
         fresh = Restored(step=0, source=None, local=False, nbytes=0)
-        if self.checkpoint is None:
-            return fresh
-        mine: bytes | None = None
-        if rank == 0:
+        mine = b""
+        failed = ""
+        if rank == 0 and self.checkpoint is not None:
             try:
                 mine = self.checkpoint.read_bytes()
             except FileNotFoundError:
-                mine = b""
-        payload = (mine or b"") if world == 1 else _broadcast_bytes(mine, 0)
+                pass
+            except OSError as exc:
+                failed = f"{self.checkpoint}: {exc}"
+                logger.error("rank 0 cannot read the checkpoint %s", failed)
+        # Every rank agrees before the broadcast (a rank alone in a collective waits forever):
+        # each says whether it was given a checkpoint path, rank 0 whether it could read it.
+        flags = _all_gather([int(self.checkpoint is not None), int(bool(failed))], world)
+        without = [r for r, flag in enumerate(flags) if not flag[0]]
+        if len(without) not in (0, world):  # every rank sees the same flags: all raise
+            raise RuntimeError(
+                f"TrainState(checkpoint=...) must name the same file on every rank; rank(s) "
+                f"{without} have none"
+            )
+        if flags[0][1]:
+            raise RuntimeError(
+                f"rank 0 cannot read the checkpoint ({failed or 'see rank 0'}): no rank holds a "
+                "snapshot either; fix the file or remove it to start from step 0"
+            )
+        if self.checkpoint is None:
+            return fresh
+        payload = mine if world == 1 else _broadcast_bytes(mine if rank == 0 else None, 0)
         if not payload:
             return fresh
         self.load_payload(payload, rng=rank == 0)
