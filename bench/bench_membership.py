@@ -154,7 +154,7 @@ def run_once(
         singles = sorted(rng.sample(range(1, agents), min(4, agents - 1)))
     elif scenario == "node":
         node = list(range(agents - NODE_SIZE, agents))
-    elif scenario in ("host-loud", "host-silent"):
+    elif scenario in ("host-loud", "host-silent") and agents > 1:
         # The host's successor, who hosts the next generation, is one pod like the host:
         # a process of its own, not a 64th of one whose agents all fail over with it.
         singles = [1]
@@ -174,6 +174,7 @@ def run_once(
     result: dict[str, Any] = {"mode": mode, "scenario": scenario, "agents": agents}
     result["cpu_groups"] = job.shares is not None and job.shares.on
     result["host_weight"] = args.host_weight
+    result["lone_successor"] = singles == [1] and scenario.startswith("host")
     if args.switch_interval is not None:
         result["switch_interval"] = args.switch_interval
     try:
@@ -288,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         "with a node's CPU, here a share of 2 cores among all the hollow processes",
     )
     args = parser.parse_args(argv)
+    if not 1 <= args.host_weight <= 100:
+        parser.error(
+            "--host-weight must be between 1 and 100 (cgroup v2's cpu.weight tops at 10,000)"
+        )
     if args.switch_interval is not None:
         os.environ[SWITCH_INTERVAL_ENV] = str(args.switch_interval)  # the processes inherit it
     results: list[dict[str, Any]] = []

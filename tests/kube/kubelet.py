@@ -1276,10 +1276,11 @@ class Kubelet:
     def forget(self, pod: Pod) -> None:
         runtime.unmount_all(pod.dir)  # the network namespace's bind mount too
         # The containers' logs outlive the pod (a failed test's evidence): <node>/gone/.
-        with contextlib.suppress(OSError):
-            kept = pod.dir.parent.parent / "gone" / f"{pod.namespace}_{pod.name}_{pod.uid}"
-            kept.mkdir(parents=True, exist_ok=True)
-            shutil.move(pod.dir / "logs", kept / "logs")
+        kept = pod.dir.parent.parent / "gone" / f"{pod.namespace}_{pod.name}_{pod.uid}"
+        if (pod.dir / "logs").is_dir() and not kept.exists():
+            with contextlib.suppress(OSError):
+                kept.mkdir(parents=True)
+                shutil.move(pod.dir / "logs", kept / "logs")
         shutil.rmtree(pod.dir, ignore_errors=True)
         if pod.netns is not None:
             self.addresses.give_back(pod.ip)

@@ -80,9 +80,18 @@ def test_one_observer_hearing_it_keeps_a_quiet_member_in() -> None:
     rig.advance(SILENT_AFTER_SECONDS + 0.2, quiet=frozenset({slow}))
     first = next(m for _, m in rig.sent if m["t"] == "probe")
     rig.watch.probed({"t": "probed", "req": first["req"], "health": "alive"})
-    rig.advance(PROBE_SECONDS + 0.2)
+    rig.advance(PROBE_SECONDS + 0.2, quiet=frozenset({slow}))  # past the deadline, still quiet
     assert rig.cuts == []
     assert slow not in rig.watch
+
+
+def test_a_quiet_member_whose_probes_time_out_is_cut_at_the_deadline() -> None:
+    rig = Rig(8)
+    frozen = rig.idents[6]
+    rig.advance(SILENT_AFTER_SECONDS + 0.2, quiet=frozenset({frozen}))
+    assert frozen in rig.watch  # asked, no answer yet
+    rig.advance(PROBE_SECONDS + 0.2, quiet=frozenset({frozen}))
+    assert rig.cuts == [{frozen: Health.SILENT}]
 
 
 def test_after_its_own_stall_the_watch_judges_nobody_for_that_time() -> None:
