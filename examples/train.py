@@ -155,6 +155,20 @@ def stuck_in_kernel(seconds: float) -> None:
         libc._exit(0)
 
 
+def inject_faults(args: argparse.Namespace, pod: str | None, step: int) -> None:
+    """Before ``step``: ``--crash-once-on-pod`` (exit 1, once per job) and ``--raise-at-step``."""
+    if args.crash_once_on_pod is not None and pod == str(args.crash_once_on_pod):
+        marker = crash_marker(args.ckpt_dir, args.crash_once_on_pod)
+        if step >= args.crash_step and not marker.exists():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            time.sleep(args.crash_delay)
+            say(f"crash pod={pod} step={step}")
+            os._exit(1)
+    if args.raise_at_step == step:
+        raise RuntimeError(args.raise_message)
+
+
 def build_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -233,16 +247,7 @@ def train_on_state(args: argparse.Namespace, info: Any) -> int:
             said = True
         if step >= args.steps:
             break
-        if args.crash_once_on_pod is not None and pod == str(args.crash_once_on_pod):
-            marker = crash_marker(args.ckpt_dir, args.crash_once_on_pod)
-            if step >= args.crash_step and not marker.exists():
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-                time.sleep(args.crash_delay)
-                say(f"crash pod={pod} step={step}")
-                os._exit(1)
-        if args.raise_at_step == step:
-            raise RuntimeError(args.raise_message)
+        inject_faults(args, pod, step)
         with state.step():  # a clean exit commits the step and snapshots it
             optimizer.zero_grad()
             # A sum over the global batch, not a mean: a rank may get no sample at an epoch's
@@ -301,16 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = nn.MSELoss()
     pod = os.environ.get("DDPJOB_POD_INDEX")
     for step in range(start, args.steps):
-        if args.crash_once_on_pod is not None and pod == str(args.crash_once_on_pod):
-            marker = crash_marker(args.ckpt_dir, args.crash_once_on_pod)
-            if step >= args.crash_step and not marker.exists():
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-                time.sleep(args.crash_delay)
-                say(f"crash pod={pod} step={step}")
-                os._exit(1)
-        if args.raise_at_step == step:
-            raise RuntimeError(args.raise_message)
+        inject_faults(args, pod, step)
         if args.stuck_at_step == step and rank == 0:
             stuck_in_kernel(args.stuck_seconds)
         x, y = batch(step, rank)

@@ -27,15 +27,45 @@ SCRIPT = Path(__file__).with_name("snap_train.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def lines(log: Path, kind: str) -> list[dict[str, str]]:
-    """The ``SNAP <kind>`` records of the log (two workers share it: a record may follow
-    another's on one line)."""
-    pattern = rf"SNAP {kind}((?: \w+=[^\s]+)+)"
-    text = log.read_text(errors="replace")
+def records(text: str, kind: str, prefix: str = "SNAP") -> list[dict[str, str]]:
+    """The ``<prefix> <kind> key=value...`` records of a log (two workers share it: a record
+    may follow another's on one line)."""
+    pattern = rf"{prefix} {kind}((?: \w+=[^\s]+)+)"
     return [
         dict(item.split("=", 1) for item in match.group(1).split())
         for match in re.finditer(pattern, text)
     ]
+
+
+def lines(log: Path, kind: str) -> list[dict[str, str]]:
+    return records(log.read_text(errors="replace"), kind)
+
+
+def standalone(
+    tmp_path: Path, log: Path, script_argv: list[str], **env: str
+) -> subprocess.Popen[bytes]:
+    """``ddpjob-agent --standalone`` with 2 workers of ``script_argv``, appending to ``log``,
+    in a session of its own; no warm spares (two cores: none competing with the workers)."""
+    environ = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "DDPJOB_WARM_WORKERS": "0",
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO / "worker"), str(REPO), os.environ.get("PYTHONPATH", "")]
+        ),
+        **env,
+    }
+    argv = [sys.executable, "-m", "ddpjob_worker.cli", "--standalone", "--nproc-per-node", "2"]
+    argv += ["--max-restarts", "1", "--monitor-interval", "0.1", *script_argv]
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv,
+            env=environ,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
 
 
 def committed_on_both(agent: subprocess.Popen[bytes], log: Path, step: int) -> bool:
@@ -46,40 +76,7 @@ def committed_on_both(agent: subprocess.Popen[bytes], log: Path, step: int) -> b
 
 def test_a_killed_worker_resumes_from_the_survivors_snapshot(tmp_path: Path) -> None:
     log = tmp_path / "agent.log"
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "DDPJOB_WARM_WORKERS": "0",  # two cores: no spares competing with the workers
-        "PYTHONPATH": os.pathsep.join(
-            [str(REPO / "worker"), str(REPO), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    argv = [
-        sys.executable,
-        "-m",
-        "ddpjob_worker.cli",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.1",
-        str(SCRIPT),
-        "--steps",
-        "30",
-        "--drop-on-restart",
-        "1",
-    ]
-    with log.open("wb") as out:
-        agent = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=tmp_path,
-            start_new_session=True,
-        )
+    agent = standalone(tmp_path, log, [str(SCRIPT), "--steps", "30", "--drop-on-restart", "1"])
     try:
         wait_until("step 8 committed on both ranks", lambda: committed_on_both(agent, log, 8), 60)
         starts = lines(log, "start")
@@ -108,14 +105,6 @@ def test_a_killed_worker_resumes_from_the_survivors_snapshot(tmp_path: Path) -> 
     assert not snap_dir.exists(), "the agent left its snapshot directory behind"
     ms = sorted(float(c["ms"]) for c in lines(log, "committed"))
     print(f"snapshot write: median {ms[len(ms) // 2]:.2f} ms, max {ms[-1]:.2f} ms")
-
-
-def records(text: str, kind: str) -> list[dict[str, str]]:
-    pattern = rf"SNAP {kind}((?: \w+=[^\s]+)+)"
-    return [
-        dict(item.split("=", 1) for item in match.group(1).split())
-        for match in re.finditer(pattern, text)
-    ]
 
 
 def test_a_worker_hung_in_user_code_is_cut_and_the_job_resumes_at_its_step(
@@ -156,37 +145,11 @@ EXAMPLE = REPO / "examples" / "train.py"
 
 
 def example_agent(tmp_path: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    """``ddpjob-agent --standalone`` with 2 workers of examples/train.py on the training-state
-    API, as pod 0 of a job (``DDPJOB_POD_INDEX``), checkpoints in ``tmp_path/ckpt``."""
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "DDPJOB_WARM_WORKERS": "0",
-        "DDPJOB_POD_INDEX": "0",
-        "PYTHONPATH": os.pathsep.join(
-            [str(REPO / "worker"), str(REPO), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    argv = [sys.executable, "-m", "ddpjob_worker.cli", "--standalone", "--nproc-per-node", "2"]
-    argv += ["--max-restarts", "1", "--monitor-interval", "0.1", str(EXAMPLE), "--snapshots"]
-    argv += ["--steps", "30", "--ckpt-every", "5", "--ckpt-dir", str(tmp_path / "ckpt"), *args]
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            argv,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=tmp_path,
-            start_new_session=True,
-        )
-
-
-def example_records(text: str, kind: str) -> list[dict[str, str]]:
-    pattern = rf"DDPJOB {kind}((?: \w+=[^\s]+)+)"
-    return [
-        dict(item.split("=", 1) for item in match.group(1).split())
-        for match in re.finditer(pattern, text)
-    ]
+    """2 workers of examples/train.py on the training-state API, as pod 0 of a job
+    (``DDPJOB_POD_INDEX``), checkpoints in ``tmp_path/ckpt``."""
+    argv = [str(EXAMPLE), "--snapshots", "--steps", "30", "--ckpt-every", "5"]
+    argv += ["--ckpt-dir", str(tmp_path / "ckpt"), *args]
+    return standalone(tmp_path, log, argv, DDPJOB_POD_INDEX="0")
 
 
 def test_the_example_on_the_api_loses_no_step_to_a_crash_and_falls_back_to_its_checkpoint(
@@ -202,7 +165,7 @@ def test_the_example_on_the_api_loses_no_step_to_a_crash_and_falls_back_to_its_c
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
     text = log.read_text()
-    resumes = example_records(text, "resume")
+    resumes = records(text, "resume", "DDPJOB")
     assert sorted((r["rank"], r["step"], r["from"]) for r in resumes) == [
         ("0", "0", "none"),
         ("0", "12", "snapshot"),
@@ -212,7 +175,7 @@ def test_the_example_on_the_api_loses_no_step_to_a_crash_and_falls_back_to_its_c
     steps = sorted((int(r), int(s)) for s, r in re.findall(r"DDPJOB step=(\d+) rank=(\d+)", text))
     # Every step once on each rank: none lost, none trained twice.
     assert steps == [(rank, step) for rank in (0, 1) for step in range(30)], text
-    assert [d["steps"] for d in example_records(text, "done")] == ["30", "30"]
+    assert [d["steps"] for d in records(text, "done", "DDPJOB")] == ["30", "30"]
 
     # The agent SIGKILLed with its workers: its snapshots are gone with it (a new agent has a
     # directory of its own), so the next one resumes from the last checkpoint on disk.
@@ -230,7 +193,7 @@ def test_the_example_on_the_api_loses_no_step_to_a_crash_and_falls_back_to_its_c
         agent.wait()
         for left in Path("/dev/shm").glob(f"ddpjob-*-{agent.pid}"):  # its own run: nobody sweeps
             shutil.rmtree(left)
-        ckpts = [int(c["step"]) for c in example_records(log2.read_text(), "ckpt")]
+        ckpts = [int(c["step"]) for c in records(log2.read_text(), "ckpt", "DDPJOB")]
         agent = example_agent(tmp_path, log2)
         assert agent.wait(120) == 0, log2.read_text()
     finally:
@@ -239,9 +202,9 @@ def test_the_example_on_the_api_loses_no_step_to_a_crash_and_falls_back_to_its_c
             agent.wait()
     text = log2.read_text()
     last = max(ckpts)
-    resumed = [r for r in example_records(text, "resume") if r["from"] != "none"]
+    resumed = [r for r in records(text, "resume", "DDPJOB") if r["from"] != "none"]
     assert sorted((r["rank"], r["step"], r["from"]) for r in resumed) == [
         ("0", str(last), "checkpoint"),
         ("1", str(last), "checkpoint"),
     ], text
-    assert [d["steps"] for d in example_records(text, "done")] == ["30", "30"]
+    assert [d["steps"] for d in records(text, "done", "DDPJOB")] == ["30", "30"]
