@@ -4,8 +4,10 @@ when the lost are cut (together)."""
 from __future__ import annotations
 
 import itertools
+import random
 import subprocess
 import sys
+import zlib
 
 from ddpjob_worker.liveness import CONFIRM_AFTER_SECONDS, PROBE_TIMEOUT_SECONDS, Health
 from ddpjob_worker.nodes import NodeIdent
@@ -18,6 +20,7 @@ from ddpjob_worker.suspicion import (
     after_stall,
     judge,
     observers,
+    observers_among,
     verdict,
 )
 
@@ -44,6 +47,35 @@ def test_observers_with_few_or_no_others() -> None:
     assert observers(a, [a]) == []
     assert observers(a, [a, b]) == [b]
     assert observers(a, []) == []
+
+
+def test_observers_from_a_list_sorted_once_are_the_same_choice() -> None:
+    """The hub sorts its members once per tick and picks each suspect's observers from that
+    list, the suspect in it or not: the same members as from the suspect's own list of the
+    others (spelled out here as the rule was first written)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        members = sorted(set(rng.sample(idents(200), rng.randint(0, 40))))
+        target = rng.choice(idents(200))
+        others = [m for m in members if m != target]
+        expected = (
+            sorted(
+                {
+                    others[
+                        (
+                            zlib.crc32(target.encode()) % len(others)
+                            + k * max(1, len(others) // OBSERVERS)
+                        )
+                        % len(others)
+                    ]
+                    for k in range(OBSERVERS)
+                }
+            )
+            if others
+            else []
+        )
+        assert observers_among(target, members) == expected
+        assert observers(target, reversed(members)) == expected
 
 
 def test_a_quiet_suspect_one_observer_hears_is_kept() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from ddpjob_worker import hang
@@ -24,7 +24,7 @@ from ddpjob_worker.suspicion import (
     Suspicion,
     after_stall,
     judge,
-    observers,
+    observers_among,
 )
 from ddpjob_worker.wire import Message
 
@@ -143,26 +143,29 @@ class HubWatch:
             and not peer.left
             and now - self._heard.get(ident, now) >= SILENT_AFTER_SECONDS
         ]
-        for ident in quiet:
-            self._suspect(ident, now)
+        if quiet:
+            # Who may observe: heard from lately, with no case open (sorted once per tick).
+            heard = sorted(
+                other
+                for other, peer in self._peers.items()
+                if not peer.closed
+                and other not in self._suspects
+                and now - self._heard.get(other, now) < SILENT_AFTER_SECONDS
+            )
+            for ident in quiet:
+                self._suspect(ident, now, heard)
         if not self._judge(now) and running is not None:
             self._hangs(members, running, now)
 
-    def _suspect(self, ident: NodeIdent, now: float) -> None:
-        """Ask other members, heard from lately, to probe a member gone quiet."""
+    def _suspect(self, ident: NodeIdent, now: float, heard: Sequence[NodeIdent]) -> None:
+        """Ask other members (of ``heard``: sorted, heard from lately) to probe a member gone
+        quiet."""
         suspicion = Suspicion.quiet(now)
         self._suspects[ident] = suspicion
         target = self._peers[ident].liveness
         if target is None:
             return
-        heard = (
-            other
-            for other, peer in self._peers.items()
-            if not peer.closed
-            and other not in self._suspects
-            and now - self._heard.get(other, now) < SILENT_AFTER_SECONDS
-        )
-        for observer in observers(ident, heard):
+        for observer in observers_among(ident, heard):
             self._req += 1
             self._probes[self._req] = ident
             suspicion.asked.add(observer)

@@ -15,9 +15,10 @@ Confirmed losses wait for the suspects still being probed, up to :data:`BATCH_SE
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from ddpjob_worker import liveness
 from ddpjob_worker.liveness import Health
@@ -74,13 +75,25 @@ def observers(target: NodeIdent, candidates: Iterable[NodeIdent]) -> list[NodeId
     """Up to :data:`OBSERVERS` of ``candidates`` (members heard from lately, the target not
     among them), spread over the sorted members from a start that depends on the target only:
     a node's members are not all asked about by its own neighbours."""
-    others = sorted(set(candidates) - {target})
-    if not others:
+    return observers_among(target, sorted(set(candidates)))
+
+
+def observers_among(target: NodeIdent, ordered: Sequence[NodeIdent]) -> list[NodeIdent]:
+    """:func:`observers` from ``ordered``: the candidates sorted, without repeats, the target
+    among them or not. The hub sorts its members once per tick, however many it suspects in it
+    (a sort per suspect made a tick that suspected half of 1,024 members take 150 ms)."""
+    at = bisect.bisect_left(ordered, target)
+    skip = at < len(ordered) and ordered[at] == target
+    size = len(ordered) - skip
+    if size <= 0:
         return []
-    start = zlib.crc32(target.encode()) % len(others)
-    step = max(1, len(others) // OBSERVERS)
-    chosen = {others[(start + k * step) % len(others)] for k in range(OBSERVERS)}
-    return sorted(chosen)
+
+    def nth(k: int) -> NodeIdent:
+        return ordered[k + 1 if skip and k >= at else k]
+
+    start = zlib.crc32(target.encode()) % size
+    step = max(1, size // OBSERVERS)
+    return sorted({nth((start + k * step) % size) for k in range(OBSERVERS)})
 
 
 def verdict(suspicion: Suspicion, now: float) -> Health | None:
