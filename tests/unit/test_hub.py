@@ -331,6 +331,26 @@ def test_a_hub_that_is_gone_is_lost_to_its_members(pods: list[Pod]) -> None:
         assert view.hub_lost is Health.GONE, view
 
 
+def test_a_hub_that_stops_answering_is_silent_to_its_members_but_not_to_its_hosts(
+    pods: list[Pod], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's own member shares the hub's process and loop: the hub's silence is that
+    process stalled, which must not make the host leave the job (at 1,024 hollow agents a
+    starved successor did, and everyone failed over again)."""
+    made, address = hub(min_nodes=2)
+    try:
+        start(pods, 2, address)
+        pods[0].member.local = True
+        in_round(pods, 2)
+        monkeypatch.setattr(made, "_ack", lambda session: None)  # heard, never answered
+        view = pods[1].member.wait(lambda v: v.hub_lost is not None, 5)
+        assert view.hub_lost is Health.SILENT, view
+        time.sleep(1.0)
+        assert pods[0].view.hub_lost is None, pods[0].view
+    finally:
+        run_on_loop(made.stop())
+
+
 def test_a_message_without_the_jobs_key_is_dropped(pods: list[Pod]) -> None:
     made, address = hub(min_nodes=1)
     try:

@@ -361,6 +361,7 @@ class HubBackend:
         keys.mark_hosted()
         keys._put(HUB_KEY, address)
         member = self._member(params)
+        member.local = True
         member.connect(address)
         endpoint = f"{host}:{actual}"
         logger.info(

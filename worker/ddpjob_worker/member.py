@@ -134,6 +134,10 @@ class Member:
         told to the hub with each heartbeat for its hang detection; None: none to tell."""
         self._round_at = 0.0
         """When our current round came (``time.monotonic()``): older records are not its."""
+        self.local = False
+        """Our hub runs in this process, on our loop (we are its host's member): its silence
+        is our own process stalled, never its loss. A starved host whose own member took its
+        hub as lost left the job, and everyone failed over again."""
         self.sent = 0
         self.received = 0
 
@@ -251,7 +255,11 @@ class Member:
             ticked = now
             self._seq += 1
             await self._write(self._heartbeat())
-            if now - self._acked >= liveness.SILENT_AFTER_SECONDS and self.view.hub_lost is None:
+            if (
+                now - self._acked >= liveness.SILENT_AFTER_SECONDS
+                and self.view.hub_lost is None
+                and not self.local
+            ):
                 logger.warning(
                     "the hub at %s has not answered for %gs: taking it as lost",
                     self._hub,
