@@ -10,6 +10,8 @@ round.
 
 from __future__ import annotations
 
+import collections
+import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -309,3 +311,34 @@ def test_where_a_newcomer_starts(
         first_store(answers, run_id=RUN, endpoint=ENDPOINT, hosting=hosting, final=final)
         == expected
     )
+
+
+def test_waiting_members_look_for_a_newer_store_at_a_rate_the_job_size_does_not_raise() -> None:
+    """Each look asks the last round's first ranks: every second in a job of up to 100
+    members, then rarer in proportion, so that those few answer about 100 looks a second
+    however large the job (at 1,024 members, every second was 1,000 questions a second to
+    the new store's host while its hub formed the round)."""
+    assert failover.look_interval(0) == 1.0  # not known: as before
+    assert failover.look_interval(64) == 1.0
+    assert failover.look_interval(100) == 1.0
+    for world in (256, 1024, 4096):
+        assert world / failover.look_interval(world) == pytest.approx(failover.LOOKS_PER_SECOND)
+
+
+def test_a_large_jobs_looks_are_spread_and_rare_a_small_jobs_every_second() -> None:
+    small = failover.LookSchedule(random.Random(1))
+    assert all(small.due(float(t), 64) for t in range(30))
+    # 1,024 members who all begin waiting at t=0 and are asked every second for 100 s.
+    members = [failover.LookSchedule(random.Random(seed)) for seed in range(1024)]
+    firsts, looks = [], 0
+    for schedule in members:
+        due = [t for t in range(100) if schedule.due(float(t), 1024)]
+        firsts.append(due[0])
+        looks += len(due)
+    # The first looks spread over the interval: not the whole job in the same second.
+    assert max(collections.Counter(firsts).values()) <= 3 * 1024 / 10.24
+    assert looks / 100 == pytest.approx(failover.LOOKS_PER_SECOND, rel=0.2)
+    # A new wait (a round formed in between) spreads its first looks again.
+    schedule = members[0]
+    schedule.reset()
+    assert [schedule.due(200.0 + t, 1024) for t in range(11)].count(True) >= 1

@@ -268,3 +268,29 @@ def test_many_unanswered_peers_cost_one_timeout() -> None:
                 client.close()
     assert set(answers.values()) == {Health.UNKNOWN}
     assert took < 1.9
+
+
+def test_the_listener_says_its_latest_info_and_encodes_it_once_per_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new store's host is asked by much of the job at once: its answer is encoded when
+    the agent changes what it says, not once per question."""
+    dumps = liveness.json.dumps
+    encoded: list[object] = []
+
+    def counting(obj: Any, **kwargs: Any) -> str:
+        if threading.current_thread().name == "ddpjob-liveness":
+            encoded.append(obj)
+        return dumps(obj, **kwargs)
+
+    monkeypatch.setattr(liveness.json, "dumps", counting)
+    listener = liveness.Listener("127.0.0.1")
+    try:
+        listener.info = {"v": 1, "gen": 2}
+        answers = [liveness.ask(listener.address, timeout=2.0).info for _ in range(5)]
+        assert answers == [{"v": 1, "gen": 2}] * 5
+        listener.info = {"v": 1, "gen": 3}
+        assert liveness.ask(listener.address, timeout=2.0).info == {"v": 1, "gen": 3}
+        assert encoded == [{"v": 1, "gen": 2}, {"v": 1, "gen": 3}]
+    finally:
+        listener.close()

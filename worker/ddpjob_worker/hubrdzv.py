@@ -237,6 +237,7 @@ class HubRendezvousHandler(RendezvousHandler):
             base=dict(info.base or {}),
             host=None if host is None else _as_repr(host[0]),
             host_address=None if host is None else host[1],
+            world=info.world,
         )
         return view, {}
 

@@ -266,6 +266,9 @@ class Listener:
         self.address = f"{shown}:{self._socket.getsockname()[1]}"
         self.info: dict[str, Any] = {"v": 1}
         """What the agent says of itself; replaced whole (never mutated) by the agent."""
+        self._said: tuple[dict[str, Any], bytes] | None = None
+        """:attr:`info` and its line, encoded once per change (not once per question: a new
+        store's host is asked by most of the job while a round forms)."""
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ddpjob-liveness", daemon=True)
         self._thread.start()
@@ -281,11 +284,17 @@ class Listener:
                 continue
             try:
                 conn.settimeout(0.2)
-                conn.sendall(json.dumps(self.info, separators=(",", ":")).encode() + b"\n")
+                conn.sendall(self._line())
             except OSError:
                 pass
             finally:
                 conn.close()
+
+    def _line(self) -> bytes:
+        info, said = self.info, self._said
+        if said is None or said[0] is not info:
+            said = self._said = (info, json.dumps(info, separators=(",", ":")).encode() + b"\n")
+        return said[1]
 
     def close(self) -> None:
         self._closed.set()

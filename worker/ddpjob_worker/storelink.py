@@ -94,6 +94,7 @@ class StoreLink:
         self._last_round = last_round
         self._asker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: _PendingLook | None = None
+        self._looks = failover.LookSchedule()
         self.advert = Advert(listener, run_id=params.run_id, index=settings.pod_index, state=state)
         self.rdzv = self._attach(handler)
 
@@ -127,12 +128,14 @@ class StoreLink:
         """A round completed on this store: it is established, and its host answers at
         ``host_at`` (the liveness address it published; None if unknown)."""
         host_at = None if self.view.hosting else host_at
+        self._looks.reset()
         self._set(dataclasses.replace(self.view, rounds=self.view.rounds + 1, host_at=host_at))
 
     def _install(self, handler: RendezvousHandler, view: StoreView) -> None:
         """Use ``handler`` (another store than before) from now on: a store recovery."""
         recoveries = self.view.recoveries + 1
         self._state.update(store_recoveries=recoveries)
+        self._looks.reset()
         self.view = StoreView(
             gen=view.gen, hosting=view.hosting, address=view.address, recoveries=recoveries
         )
@@ -377,7 +380,9 @@ class StoreLink:
 
     def check_superseded(self) -> None:
         """While our join waits (about once a second): act on what the last look found
-        (:meth:`_newer_store`), and start the next look. Looks run on a helper thread, so the
+        (:meth:`_newer_store`), and start the next look when it is due
+        (:class:`ddpjob_worker.failover.LookSchedule`: every second in a job of up to 100
+        members, spread out and rarer beyond). Looks run on a helper thread, so the
         join's polling never waits on a silent member's question (0.5 s each). Raises
         :class:`ddpjob_worker.failover.SupersededError` from inside torch's join: the agent
         catches it around the join and moves to the newer store."""
@@ -392,6 +397,8 @@ class StoreLink:
                 raise SupersededError(found)
         round_ = self._last_round()
         if round_ is None or not round_.addresses:
+            return
+        if not self._looks.due(time.monotonic(), round_.world):
             return
         if self._asker is None:
             self._asker = concurrent.futures.ThreadPoolExecutor(1, "ddpjob-superseded")

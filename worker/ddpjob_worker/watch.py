@@ -94,6 +94,8 @@ class RoundView:
     """The node that hosts the store, as it published."""
     host_address: str | None
     """Its liveness address."""
+    world: int = 0
+    """How many members it had (0: not known)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,5 +345,6 @@ def round_view(
         base={},
         host=host,
         host_address=None if host is None else addresses.get(host),
+        world=len(ranks),
     )
     return view, addresses
