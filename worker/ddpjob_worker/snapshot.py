@@ -26,6 +26,7 @@ import mmap
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 MAGIC = b"DDPJSNAP"
@@ -129,9 +130,20 @@ class SnapshotFile:
         """Store ``payload`` as the state after ``step`` in round ``generation``, in the slot
         that does not hold the newest good snapshot; which slot it went to."""
         data = memoryview(payload).cast("B")
-        if data.nbytes > self.capacity:
+
+        def copy(view: memoryview) -> None:
+            view[:] = data
+
+        return self.write_with(step, generation, data.nbytes, copy)
+
+    def write_with(
+        self, step: int, generation: int, nbytes: int, fill: Callable[[memoryview], None]
+    ) -> int:
+        """:meth:`write`, with the payload written in place by ``fill`` (handed the slot's
+        first ``nbytes`` bytes): no copy of the state outside the file first."""
+        if nbytes > self.capacity:
             raise SnapshotTooLargeError(
-                f"a step's state is {data.nbytes} bytes and a snapshot slot holds "
+                f"a step's state is {nbytes} bytes and a snapshot slot holds "
                 f"{self.capacity}: give the job's snapshots more room"
             )
         if self._newest is None:
@@ -144,9 +156,10 @@ class SnapshotFile:
         # The sequence first (odd), then the payload, then the descriptor, then the even sequence.
         _SEQ.pack_into(self._mm, at, begin)
         offset = self._offset(slot)
-        self._mm[offset : offset + data.nbytes] = data
-        crc = zlib.crc32(data)
-        _SLOT.pack_into(self._mm, at, begin, step, generation, data.nbytes, crc)
+        with memoryview(self._mm) as whole, whole[offset : offset + nbytes] as view:
+            fill(view)
+            crc = zlib.crc32(view)
+        _SLOT.pack_into(self._mm, at, begin, step, generation, nbytes, crc)
         _SEQ.pack_into(self._mm, at, begin + 1)
         self._newest = slot
         return slot

@@ -12,7 +12,7 @@ About three changed lines in a plain DDP script::
 What a step's state is: the model's and optimizer's (and scheduler's) state dicts, the
 sampler's position (epoch and the count of samples the whole job has consumed in it), the
 rank's RNG states (torch, ``random``, numpy when it is installed), the user's ``extra`` dict
-and the committed step number. It is serialized with ``torch.save`` and written synchronously
+and the committed step number. It is written synchronously, its tensors copied once straight
 into this local rank's :class:`~ddpjob_worker.snapshot.SnapshotFile` (two slots: a worker
 killed mid-write keeps the snapshot before it), ``<DDPJOB_SNAPSHOT_DIR>/rank<local rank>.snap``
 in the directory the agent owns (:mod:`ddpjob_worker.snapdir`), so it outlives the worker.
@@ -60,7 +60,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ddpjob_worker import progress, snapdir
+from ddpjob_worker import flat, progress, snapdir
 from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
 from ddpjob_worker.hang import StepTimes
 from ddpjob_worker.progress import Phase
@@ -323,8 +323,13 @@ class TrainState:
         return buffer.getbuffer()
 
     def load_payload(self, payload: bytes | memoryview, *, rng: bool = True) -> None:
-        # Our own bytes, CRC-checked: the RNG states and extra need the full unpickler.
-        state = torch.load(io.BytesIO(payload), weights_only=False)
+        """Load a snapshot's bytes (:mod:`ddpjob_worker.flat`) or a checkpoint's
+        (``torch.save``)."""
+        if flat.is_flat(payload):
+            state = flat.load(payload)
+        else:
+            # Our own bytes, CRC-checked: the RNG states and extra need the full unpickler.
+            state = torch.load(io.BytesIO(payload), weights_only=False)
         self.load_state_dict(state, rng=rng)
 
     # -- checkpoints on disk ------------------------------------------------------------------
@@ -413,14 +418,15 @@ class TrainState:
     # -- snapshots ----------------------------------------------------------------------------
 
     def snapshot(self) -> None:
-        """Write the committed state into this rank's snapshot file (synchronously)."""
+        """Write the committed state into this rank's snapshot file (synchronously; the
+        tensors copied once, straight into the file: :mod:`ddpjob_worker.flat`)."""
         if self._path is None:
             return
         started = time.perf_counter()
-        payload = self.payload()
-        snaps = self._room(payload.nbytes)
+        laid = flat.plan(self.state_dict())
+        snaps = self._room(laid.nbytes)
         if snaps is not None:
-            snaps.write(self.step_no, self.generation, payload)
+            snaps.write_with(self.step_no, self.generation, laid.nbytes, laid.fill)
             if snaps.path != self._path:
                 # A new file, moved over the old one only once it holds this step: the old
                 # one's snapshot stayed good until now.
