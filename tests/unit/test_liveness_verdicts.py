@@ -5,6 +5,7 @@ timeout, the listener binds its pod's own address, and its accept loop outlives 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import socket
@@ -275,15 +276,15 @@ def test_the_listener_says_its_latest_info_and_encodes_it_once_per_change(
 ) -> None:
     """A new store's host is asked by much of the job at once: its answer is encoded when
     the agent changes what it says, not once per question."""
-    dumps = liveness.json.dumps
+    dumps = json.dumps
     encoded: list[object] = []
 
     def counting(obj: Any, **kwargs: Any) -> str:
         if threading.current_thread().name == "ddpjob-liveness":
             encoded.append(obj)
-        return dumps(obj, **kwargs)
+        return str(dumps(obj, **kwargs))
 
-    monkeypatch.setattr(liveness.json, "dumps", counting)
+    monkeypatch.setattr(json, "dumps", counting)
     listener = liveness.Listener("127.0.0.1")
     try:
         listener.info = {"v": 1, "gen": 2}
