@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ddpjob_worker import liveness
+from ddpjob_worker import liveness, member
 from ddpjob_worker.hub import Hub
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.member import Member, MemberView
@@ -347,6 +347,26 @@ def test_a_hub_that_stops_answering_is_silent_to_its_members_but_not_to_its_host
         assert view.hub_lost is Health.SILENT, view
         time.sleep(1.0)
         assert pods[0].view.hub_lost is None, pods[0].view
+    finally:
+        run_on_loop(made.stop())
+
+
+def test_a_hub_forming_its_first_round_gets_three_silence_windows(
+    pods: list[Pod], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub forming its first round is asked by the whole job at once: its members wait
+    three windows for an answer, not one, before they take it as lost."""
+    made, address = hub(min_nodes=3)  # two members: no round forms
+    try:
+        start(pods, 2, address)
+        pods[0].member.wait(lambda v: v.gen > 0, 5)
+        monkeypatch.setattr(made, "_ack", lambda session: None)  # heard, never answered
+        started = time.monotonic()
+        time.sleep(liveness.SILENT_AFTER_SECONDS + 1.0)
+        assert all(pod.view.hub_lost is None for pod in pods), [p.view for p in pods]
+        view = pods[1].member.wait(lambda v: v.hub_lost is not None, 6)
+        assert view.hub_lost is Health.SILENT, view
+        assert time.monotonic() - started >= member.FIRST_ROUND_SILENT_SECONDS - 0.6
     finally:
         run_on_loop(made.stop())
 

@@ -7,7 +7,8 @@ round it is given (its rank and the world size), the end of its round (why, and 
 and requests to probe a suspect for the hub. What it learns is one frozen :class:`MemberView`,
 replaced whole, that the agent reads at every monitor tick without a network call.
 
-The hub is lost when it stops acknowledging for the silence window (SILENT), when its connection
+The hub is lost when it stops acknowledging for the silence window (SILENT; three windows before
+it has given us a round), when its connection
 closes and its port refuses (GONE), or when its host hands over (GONE). A member whose own loop
 did not run for a while (frozen, starved) judges nobody for that time.
 """
@@ -34,6 +35,13 @@ from ddpjob_worker.wire import MAX_LINE, Message, Wire, shared_loop, submit
 logger = logging.getLogger("ddpjob_worker.member")
 
 CONNECT_SECONDS = 2.0
+FIRST_ROUND_SILENT_SECONDS = 3 * liveness.SILENT_AFTER_SECONDS
+"""How long a member that has no round from its hub yet waits for an answer before it takes the
+hub as lost. A hub forming its first round (a job's start, a failover's new host) is asked by
+the whole job at once, and its process may be starved meanwhile: at 1,024 hollow agents the
+host's hub stalled 7 s at a time while the job started, its members took it as lost after 2 s,
+came back with new connections, hellos and joins, and added to its load (1 run in 27 formed no
+first round). A host lost before its first round is found 4 s later."""
 
 
 @dataclasses.dataclass
@@ -255,15 +263,14 @@ class Member:
             ticked = now
             self._seq += 1
             await self._write(self._heartbeat())
-            if (
-                now - self._acked >= liveness.SILENT_AFTER_SECONDS
-                and self.view.hub_lost is None
-                and not self.local
-            ):
+            window = (
+                liveness.SILENT_AFTER_SECONDS
+                if self.view.round is not None
+                else FIRST_ROUND_SILENT_SECONDS
+            )
+            if now - self._acked >= window and self.view.hub_lost is None and not self.local:
                 logger.warning(
-                    "the hub at %s has not answered for %gs: taking it as lost",
-                    self._hub,
-                    liveness.SILENT_AFTER_SECONDS,
+                    "the hub at %s has not answered for %gs: taking it as lost", self._hub, window
                 )
                 self._set(hub_lost=Health.SILENT)
 
