@@ -216,10 +216,12 @@ def says(env: RealEnv, hosts: set[str], world: int) -> JSON:
     return status
 
 
-def survivors_at_world_2(env: RealEnv, logs: PodLogs, before: dict[int, str], old: JSON) -> float:
-    """Wait until pods 1 and 2 have both stepped at world 2; then the API must still hold the
-    old pod 0: the survivors moved on before Kubernetes even created its replacement. Returns
-    when they were seen (``time.time()``, the API server's clock)."""
+def survivors_at_world_2(
+    env: RealEnv, logs: PodLogs, before: dict[int, str], old: JSON, *, first: bool = True
+) -> float:
+    """Wait until pods 1 and 2 have both stepped at world 2; with ``first``, the API must still
+    hold the old pod 0 then: the survivors moved on before Kubernetes even created its
+    replacement. Returns when they were seen (``time.time()``, the API server's clock)."""
 
     def moved_on() -> bool:
         return all(2 in worlds(logs, before[i]) for i in (1, 2))
@@ -227,9 +229,10 @@ def survivors_at_world_2(env: RealEnv, logs: PodLogs, before: dict[int, str], ol
     wait_for(moved_on, "pods 1 and 2 stepping at world 2", timeout=RECOVERY_TIMEOUT, every=0.1)
     seen_at = time.time()
     pod0 = env.pod(pod_name(0))
-    assert pod0 is not None and pod0["metadata"]["uid"] == old["metadata"]["uid"], (
-        "pod 0 was replaced before the survivors stepped at world 2:\n" + describe(env, logs)
-    )
+    if first:
+        assert pod0 is not None and pod0["metadata"]["uid"] == old["metadata"]["uid"], (
+            "pod 0 was replaced before the survivors stepped at world 2:\n" + describe(env, logs)
+        )
     return seen_at
 
 
@@ -401,8 +404,11 @@ def test_the_healed_store_host_trains_no_further_step(
     stopped = kube.freeze_node(node)
     log_path = kube.cluster.container_log(node, before[0], "trainer")
     written, size = snapshot(log_path)
-    seen_at = survivors_at_world_2(env, logs, before, old)
-    replacement = replaced_after(env, old, seen_at)
+    # Which came first, the survivors at world 2 or pod 0's replacement (about 15 s after the
+    # freeze), is the other test's subject; here the heal is, and a loaded control plane
+    # (a whole suite's namespaces still being deleted) has let the replacement come first.
+    survivors_at_world_2(env, logs, before, old, first=False)
+    replacement = env.replacement(old, "pod 0 created again", timeout=RECOVERY_TIMEOUT)
 
     # The node comes back: pod 0's processes run again, force-deleted from the API meanwhile.
     with log_path.open("rb") as log:  # kept open: the kubelet removes the file
