@@ -26,6 +26,7 @@ import dataclasses
 import pickle
 import struct
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,29 +84,39 @@ def _rebuilt(obj: Any, items: Any) -> Any:
     return new
 
 
+def _mapped(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``leaf`` applied to everything in its dicts, lists and plain tuples (not
+    named tuples: those are pickled whole), rebuilt in the same types."""
+    if isinstance(obj, dict):
+        return _rebuilt(obj, [(key, _mapped(value, leaf)) for key, value in obj.items()])
+    if isinstance(obj, list):
+        return [_mapped(value, leaf) for value in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_mapped(value, leaf) for value in obj)
+    return leaf(obj)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def plan(state: Any) -> Plan:
     """Lay ``state`` out: tensors found in its dicts, lists and tuples go flat."""
     tensors: list[tuple[torch.Tensor, _Ref]] = []
     offset = end = 0
 
-    def walk(obj: Any) -> Any:
+    def flatten(obj: Any) -> Any:
         nonlocal offset, end
-        if isinstance(obj, torch.Tensor) and _flat(obj):
-            nbytes = obj.numel() * obj.element_size()
-            ref = _Ref(offset, nbytes, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
-            tensors.append((obj.detach(), ref))
-            end = offset + nbytes
-            offset = -(-end // ALIGN) * ALIGN
-            return ref
-        if isinstance(obj, dict):
-            return _rebuilt(obj, [(key, walk(value)) for key, value in obj.items()])
-        if isinstance(obj, list):
-            return [walk(value) for value in obj]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(walk(value) for value in obj)
-        return obj
+        if not (isinstance(obj, torch.Tensor) and _flat(obj)):
+            return obj
+        nbytes = obj.numel() * obj.element_size()
+        ref = _Ref(offset, nbytes, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+        tensors.append((obj.detach(), ref))
+        end = offset + nbytes
+        offset = _aligned(end)
+        return ref
 
-    skeleton = walk(state)
+    skeleton = _mapped(state, flatten)
     body = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
     start = _body_start(len(body))
     head = _HEAD.pack(MAGIC, len(body)) + body
@@ -117,7 +128,7 @@ def plan(state: Any) -> Plan:
 
 def _body_start(pickle_bytes: int) -> int:
     """Where the tensors' bytes begin (their refs count from there)."""
-    return -(-(_HEAD.size + pickle_bytes) // ALIGN) * ALIGN
+    return _aligned(_HEAD.size + pickle_bytes)
 
 
 def is_flat(payload: bytes | bytearray | memoryview) -> bool:
@@ -142,19 +153,13 @@ def load(payload: bytes | bytearray | memoryview) -> Any:
 
     base = _body_start(length)
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, _Ref):
-            at = base + obj.offset
-            if at + obj.nbytes > len(view):
-                raise ValueError("not a flat state: a tensor past its end")
-            data = whole[at : at + obj.nbytes]
-            return data.view(getattr(torch, obj.dtype)).view(obj.shape).clone()
-        if isinstance(obj, dict):
-            return _rebuilt(obj, [(key, walk(value)) for key, value in obj.items()])
-        if isinstance(obj, list):
-            return [walk(value) for value in obj]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(walk(value) for value in obj)
-        return obj
+    def tensor(obj: Any) -> Any:
+        if not isinstance(obj, _Ref):
+            return obj
+        at = base + obj.offset
+        if at + obj.nbytes > len(view):
+            raise ValueError("not a flat state: a tensor past its end")
+        data = whole[at : at + obj.nbytes]
+        return data.view(getattr(torch, obj.dtype)).view(obj.shape).clone()
 
-    return walk(skeleton)
+    return _mapped(skeleton, tensor)
