@@ -63,7 +63,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -72,10 +71,10 @@ import requests
 
 from tests.kube import network, runtime
 from tests.kube.client import ApiError, Client, Endpoint
+from tests.kube.node import NodeIdentity
 from tests.kube.podstatus import (
     KUBELET_OWNED,
     condition,
-    micro_time,
     pod_status,
     rfc3339,
     watch_bound,
@@ -310,7 +309,17 @@ class HollowNode:
         self.wake = threading.Event()
         self.lost = False
         self.lost_at = 0.0
-        self.transitions: dict[str, str] = {}
+        self.identity = NodeIdentity(
+            name=config.name,
+            pod_cidr=config.pod_cidr,
+            node_ip=config.node_ip,
+            capacity=hollow.config.capacity,
+            kubelet_version=hollow.config.version,
+            runtime="hollow",
+            kernel="hollow",
+            labels={"ddpjob.io/hollow": "true"},
+            taints=list(hollow.config.taints),
+        )
 
     @property
     def name(self) -> str:
@@ -318,102 +327,14 @@ class HollowNode:
 
     # ---- the node object and its heartbeats ----------------------------------------------
 
-    def node_object(self) -> JSON:
-        capacity = dict(self.hollow.config.capacity)
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": self.name,
-                "labels": {
-                    "kubernetes.io/hostname": self.name,
-                    "kubernetes.io/os": "linux",
-                    "kubernetes.io/arch": "amd64",
-                    "ddpjob.io/hollow": "true",
-                },
-            },
-            "spec": {
-                "podCIDR": self.config.pod_cidr,
-                "podCIDRs": [self.config.pod_cidr],
-                "taints": list(self.hollow.config.taints),
-            },
-            "status": {
-                "capacity": capacity,
-                "allocatable": capacity,
-                "addresses": [
-                    {"type": "InternalIP", "address": self.config.node_ip},
-                    {"type": "Hostname", "address": self.name},
-                ],
-                "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
-                "nodeInfo": {
-                    "machineID": uuid.uuid4().hex,
-                    "systemUUID": str(uuid.uuid4()),
-                    "bootID": str(uuid.uuid4()),
-                    "kernelVersion": "hollow",
-                    "osImage": "ddpjob hollow kubelet",
-                    "containerRuntimeVersion": "hollow://1",
-                    "kubeletVersion": self.hollow.config.version,
-                    "kubeProxyVersion": "",
-                    "operatingSystem": "linux",
-                    "architecture": "amd64",
-                },
-                "conditions": self.conditions(),
-            },
-        }
-
-    def conditions(self) -> list[JSON]:
-        now = rfc3339()
-        rows = (
-            ("MemoryPressure", "False", "KubeletHasSufficientMemory"),
-            ("DiskPressure", "False", "KubeletHasNoDiskPressure"),
-            ("PIDPressure", "False", "KubeletHasSufficientPID"),
-            ("Ready", "True", "KubeletReady"),
-        )
-        return [
-            {
-                "type": kind,
-                "status": status,
-                "reason": reason,
-                "message": "hollow kubelet",
-                "lastHeartbeatTime": now,
-                "lastTransitionTime": self.transitions.setdefault(kind, now),
-            }
-            for kind, status, reason in rows
-        ]
-
     def register(self) -> None:
-        try:
-            self.api.create("/api/v1/nodes", self.node_object())
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            self.post_status()
+        self.identity.register(self.api)
 
     def post_status(self, api: Client | None = None) -> None:
-        (api or self.api).patch(
-            f"/api/v1/nodes/{self.name}/status", {"status": {"conditions": self.conditions()}}
-        )
+        self.identity.post_status(api or self.api)
 
     def renew_lease(self, api: Client | None = None) -> None:
-        api = api or self.api
-        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}"
-        spec = {
-            "holderIdentity": self.name,
-            "leaseDurationSeconds": self.hollow.config.lease_seconds,
-            "renewTime": micro_time(),
-        }
-        try:
-            api.patch(path, {"spec": spec}, kind="merge-patch")
-        except ApiError as exc:
-            if exc.status != 404:
-                raise
-            node = api.get(f"/api/v1/nodes/{self.name}")
-            owner = {"apiVersion": "v1", "kind": "Node", "name": self.name}
-            owner["uid"] = node["metadata"]["uid"]
-            api.create(
-                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
-                {"metadata": {"name": self.name, "ownerReferences": [owner]}, "spec": spec},
-            )
+        self.identity.renew_lease(api or self.api, self.hollow.config.lease_seconds)
 
     # ---- its pods ------------------------------------------------------------------------
 

@@ -81,7 +81,8 @@ from ddpjob_operator.local.pods import (
 )
 from tests.kube import network, pki, podstatus, runtime
 from tests.kube.client import ApiError, Client, Endpoint
-from tests.kube.podstatus import condition, micro_time, rfc3339
+from tests.kube.node import NodeIdentity
+from tests.kube.podstatus import condition, rfc3339
 
 JSON = dict[str, Any]
 log = logging.getLogger("process-kubelet")
@@ -365,143 +366,40 @@ class Kubelet:
         self.wake = threading.Event()
         self.stop = threading.Event()
         self.probe_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
-        self.node_transitions: dict[str, str] = {}
+        self.identity = NodeIdentity(
+            name=config.node,
+            pod_cidr=config.pod_cidr,
+            node_ip=config.node_ip,
+            capacity=config.capacity,
+            kubelet_version=config.version,
+            runtime="process",
+            kernel=platform.release(),
+            kubelet_port=config.port,
+            ready_message="process kubelet is posting ready status",
+        )
         self.zombies: set[int] = set()
         self.zombies_checked = 0.0
         config.root.mkdir(parents=True, exist_ok=True)
 
     # ---- node ---------------------------------------------------------------------------
 
-    def node_object(self) -> JSON:
-        capacity = dict(self.config.capacity)
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": self.config.node,
-                "labels": {
-                    "kubernetes.io/hostname": self.config.node,
-                    "kubernetes.io/os": "linux",
-                    "kubernetes.io/arch": "amd64",
-                },
-            },
-            "spec": {"podCIDR": self.config.pod_cidr, "podCIDRs": [self.config.pod_cidr]},
-            "status": {
-                "capacity": capacity,
-                "allocatable": capacity,
-                "addresses": [
-                    {"type": "InternalIP", "address": self.node_ip},
-                    {"type": "Hostname", "address": self.config.node},
-                ],
-                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.config.port}},
-                "nodeInfo": {
-                    "machineID": uuid.uuid4().hex,
-                    "systemUUID": str(uuid.uuid4()),
-                    "bootID": str(uuid.uuid4()),
-                    "kernelVersion": platform.release(),
-                    "osImage": "ddpjob process kubelet",
-                    "containerRuntimeVersion": "process://1",
-                    "kubeletVersion": self.config.version,
-                    "kubeProxyVersion": "",
-                    "operatingSystem": "linux",
-                    "architecture": "amd64",
-                },
-                "conditions": self.node_conditions(),
-            },
-        }
-
-    def node_conditions(self) -> list[JSON]:
-        now = rfc3339()
-        out = []
-        for kind, status, reason, message in (
-            (
-                "MemoryPressure",
-                "False",
-                "KubeletHasSufficientMemory",
-                "kubelet has sufficient memory available",
-            ),
-            ("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
-            (
-                "PIDPressure",
-                "False",
-                "KubeletHasSufficientPID",
-                "kubelet has sufficient PID available",
-            ),
-            ("Ready", "True", "KubeletReady", "process kubelet is posting ready status"),
-        ):
-            out.append(
-                {
-                    "type": kind,
-                    "status": status,
-                    "reason": reason,
-                    "message": message,
-                    "lastHeartbeatTime": now,
-                    "lastTransitionTime": self._node_transition(kind, now),
-                }
-            )
-        return out
-
-    def _node_transition(self, kind: str, now: str) -> str:
-        return self.node_transitions.setdefault(kind, now)
-
     def register(self) -> None:
         while not self.stop.is_set():
             try:
-                self.api.create("/api/v1/nodes", self.node_object())
+                self.identity.register(self.api)
                 return
-            except ApiError as exc:
-                if exc.status == 409:
-                    self.post_node_status()
-                    return
-                log.warning("registering the node: %s", exc)
-            except requests.RequestException as exc:
+            except (ApiError, requests.RequestException) as exc:
                 log.warning("registering the node: %s", exc)
             self.stop.wait(1)
-
-    def post_node_status(self) -> None:
-        self.api.patch(
-            f"/api/v1/nodes/{self.config.node}/status",
-            {"status": {"conditions": self.node_conditions()}},
-        )
-
-    def renew_lease(self, api: Client) -> None:
-        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.config.node}"
-        spec = {
-            "holderIdentity": self.config.node,
-            "leaseDurationSeconds": self.config.lease_seconds,
-            "renewTime": micro_time(),
-        }
-        try:
-            api.patch(path, {"spec": spec}, kind="merge-patch")
-        except ApiError as exc:
-            if exc.status != 404:
-                raise
-            node = api.get(f"/api/v1/nodes/{self.config.node}")
-            owner = {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "name": self.config.node,
-                "uid": node["metadata"]["uid"],
-            }
-            api.create(
-                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
-                {
-                    "metadata": {"name": self.config.node, "ownerReferences": [owner]},
-                    "spec": spec,
-                },
-            )
 
     def heartbeat(self) -> None:
         api = Client(self.endpoint, self.api.session.headers["User-Agent"])
         next_status = time.monotonic() + self.config.status_seconds
         while not self.stop.is_set():
             try:
-                self.renew_lease(api)
+                self.identity.renew_lease(api, self.config.lease_seconds)
                 if time.monotonic() >= next_status:
-                    api.patch(
-                        f"/api/v1/nodes/{self.config.node}/status",
-                        {"status": {"conditions": self.node_conditions()}},
-                    )
+                    self.identity.post_status(api)
                     next_status = time.monotonic() + self.config.status_seconds
             except (ApiError, requests.RequestException) as exc:
                 log.warning("heartbeat: %s", exc)
