@@ -112,3 +112,17 @@ def test_a_member_that_left_is_never_suspected() -> None:
     rig.advance(SILENT_AFTER_SECONDS + PROBE_SECONDS + 1, quiet=frozenset({leaver}))
     assert leaver not in rig.watch
     assert rig.cuts == []
+
+
+def test_questions_nobody_answered_are_forgotten_once_their_case_is_closed() -> None:
+    """A quiet member speaks again before any observer answered: its case closes, and the
+    questions about it do not stay in the hub for the rest of the job."""
+    rig = Rig(8)
+    for ident in rig.idents[:4]:  # one after another, each back before anyone answers
+        rig.advance(SILENT_AFTER_SECONDS + 0.2, quiet=frozenset({ident}))
+        assert ident in rig.watch
+        rig.advance(0.2)
+        assert ident not in rig.watch
+    assert len([m for _, m in rig.sent if m["t"] == "probe"]) == 4 * OBSERVERS
+    assert rig.watch._probes == {}
+    assert rig.cuts == []

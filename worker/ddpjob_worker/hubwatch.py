@@ -20,6 +20,7 @@ from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent
 from ddpjob_worker.progress import Progress
 from ddpjob_worker.suspicion import (
+    OBSERVERS,
     SILENT_AFTER_SECONDS,
     Suspicion,
     after_stall,
@@ -178,6 +179,10 @@ class HubWatch:
             del self._suspects[ident]
             if ident in self._heard:
                 self._heard[ident] = now
+        if len(self._probes) > OBSERVERS * len(self._suspects):
+            # Questions about closed cases that no observer answered (it was cut, or its
+            # answer was lost): forget them, or a long job's hub keeps them all.
+            self._probes = {r: i for r, i in self._probes.items() if i in self._suspects}
         if judgement.cut:
             self._cut(judgement.cut)
         return bool(judgement.cut)
