@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from ddpjob_operator import agents, api, builders, gang, queue
+from ddpjob_operator import agents, api, builders, gang, queue, slowstart
 from ddpjob_operator.errors import SpecError
 from ddpjob_operator.kube import ApiError, ConflictError, KubeApi, controller_uid
 from ddpjob_operator.metrics import Metrics
@@ -58,8 +58,11 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 MAX_CONFLICT_RETRIES = 5
 ERROR_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
-CONCURRENCY = 16
-"""API calls in flight at once for one pass (pod creations of a large job go in parallel)."""
+CONCURRENCY = 48
+"""API calls in flight at once for one pass (pod creations of a large job go in parallel, after
+a slow start: :mod:`~ddpjob_operator.slowstart`). At 1,024 hollow pods on the real API server
+(bench/bench_operator.py --hollow), 16 created them in 11-16 s, 32 in 10.9 s, 48 in 4.1-6.9 s,
+64 in 8.1 s."""
 SERVED_CHECK_SECONDS = 300.0
 """How long the answer to "does the cluster serve PodGroups (or Kueue's Workloads)?" is kept
 (asked only for jobs that want a gang, or name a queue)."""
@@ -804,6 +807,14 @@ class Controller:
             if errors and index in (2, 3):
                 for call, _ in group:
                     call.close()  # never awaited: no creation after a failure
+                continue
+            if index == 2:
+                # Pod creations start slowly: a quota or a webhook that refuses every pod
+                # costs one request, not one per pod.
+                refused, unstarted = await slowstart.slow_start(group, CONCURRENCY)
+                if unstarted:
+                    logger.info("%d pod creations put off after a refusal", unstarted)
+                errors += refused
                 continue
             results = await asyncio.gather(
                 *(bounded(call, remember) for call, remember in group), return_exceptions=True

@@ -96,46 +96,70 @@ def test_network_policy_never_opens_the_rendezvous_port() -> None:
     ]
 
 
-def test_refused_actions_emit_a_bounded_number_of_events() -> None:
-    """A large job whose every pod the API server refuses: ten events and one for the rest,
-    not one per pod on every retry (issue 14 point 17)."""
+class RefusingKube:
+    """Serves the status and the prerequisites; refuses every pod creation and deletion."""
 
-    class RefusingKube:
-        async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
-            return {**body, "status": status}
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+        self.creates: list[str] = []
+        self.deletes: list[str] = []
 
-        async def workloads_served(self) -> bool:  # no Kueue here
-            return False
+    async def write_status(self, ns: str, name: str, version: str, status: Any) -> Any:
+        return {**self.body, "status": status}
 
-        async def create_service(self, ns: str, service: Any) -> None:
-            return None
+    async def workloads_served(self) -> bool:  # no Kueue here
+        return False
 
-        async def create_secret(self, ns: str, secret: Any) -> None:
-            return None
+    async def create_service(self, ns: str, service: Any) -> None:
+        return None
 
-        async def create_pod(self, ns: str, pod: Any) -> None:
-            raise ApiError(422, "Invalid", f"pod {pod['metadata']['name']} is invalid")
+    async def create_secret(self, ns: str, secret: Any) -> None:
+        return None
 
-    body = manifest(replicas=30, minReplicas=1, maxReplicas=30)
+    async def create_pod(self, ns: str, pod: Any) -> None:
+        self.creates.append(pod["metadata"]["name"])
+        raise ApiError(422, "Invalid", f"pod {pod['metadata']['name']} is invalid")
+
+    async def delete_pod(self, ns: str, name: str, uid: str, force: bool = False) -> None:
+        self.deletes.append(name)
+        raise ApiError(403, "Forbidden", f"pod {name} may not be deleted")
+
+    async def remove_finalizer(self, ns: str, name: str, uid: str, *finalizers: Any) -> None:
+        return None
+
+
+def _refused_pass(body: dict[str, Any], records: list[PodRecord]) -> tuple[RefusingKube, list[str]]:
     body["metadata"]["resourceVersion"] = "1"
-    ctl = Controller(RefusingKube(), Metrics(), OperatorConfig())  # type: ignore[arg-type]
+    kube = RefusingKube(body)
+    ctl = Controller(kube, Metrics(), OperatorConfig())  # type: ignore[arg-type]
     events: list[tuple[str, str, str]] = []
-
-    async def one_pass() -> None:
-        await ctl.run_pass(
-            ("ml", "demo"),
-            body,
-            logging.getLogger("test"),
-            pods=list,
-            service=lambda: True,
-            emit=lambda kind, reason, message: events.append((kind, reason, message)),
-        )
-
     with pytest.raises(ActionsFailedError):
-        asyncio.run(one_pass())
-    refused = [e for e in events if e[1] == "ActionFailed"]
+        asyncio.run(
+            ctl.run_pass(
+                ("ml", "demo"), body, logging.getLogger("test"),
+                pods=lambda: records, service=lambda: True,
+                emit=lambda kind, reason, message: events.append((kind, reason, message)),
+            )
+        )  # fmt: skip
+    return kube, [message for _, reason, message in events if reason == "ActionFailed"]
+
+
+def test_a_jobs_pods_refused_by_the_api_cost_one_request_not_one_per_pod() -> None:
+    """Pod creations start slowly (as the Job controller's): a quota or a webhook that refuses
+    every pod of a 30-pod job is asked once per pass, and says so once."""
+    kube, refused = _refused_pass(manifest(replicas=30, minReplicas=1, maxReplicas=30), [])
+    assert kube.creates == ["demo-worker-0"]
+    assert refused == ["422 Invalid: pod demo-worker-0 is invalid"]
+
+
+def test_refused_actions_emit_a_bounded_number_of_events() -> None:
+    """A scale-down whose every deletion the API server refuses: ten events and one for the
+    rest, not one per pod on every retry (issue 14 point 17)."""
+    body = manifest(replicas=10, minReplicas=1, maxReplicas=40)
+    kube, refused = _refused_pass(body, _records(40))
+    assert len(kube.deletes) == 30
     assert len(refused) == MAX_FAILED_ACTION_EVENTS + 1
-    assert refused[-1][2] == "and 20 more refused actions (see the log)"
+    assert refused[-1] == "and 20 more refused actions (see the log)"
 
 
 # ---- the store-key Secret (agent review, finding 8) ---------------------------------------------
