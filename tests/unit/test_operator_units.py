@@ -21,6 +21,7 @@ from ddpjob_operator.controller import (
     MAX_FAILED_ACTION_EVENTS,
     SETTLE_PODS,
     SETTLE_SECONDS,
+    SLOW_START_FIRST,
     STUCK_PASS_SECONDS,
     ActionsFailedError,
     Controller,
@@ -144,12 +145,12 @@ def _refused_pass(body: dict[str, Any], records: list[PodRecord]) -> tuple[Refus
     return kube, [message for _, reason, message in events if reason == "ActionFailed"]
 
 
-def test_a_jobs_pods_refused_by_the_api_cost_one_request_not_one_per_pod() -> None:
+def test_a_large_jobs_pods_refused_by_the_api_cost_a_few_requests_not_one_per_pod() -> None:
     """Pod creations start slowly (as the Job controller's): a quota or a webhook that refuses
-    every pod of a 30-pod job is asked once per pass, and says so once."""
-    kube, refused = _refused_pass(manifest(replicas=30, minReplicas=1, maxReplicas=30), [])
-    assert kube.creates == ["demo-worker-0"]
-    assert refused == ["422 Invalid: pod demo-worker-0 is invalid"]
+    every pod of a 300-pod job is asked SLOW_START_FIRST times a pass, not 300."""
+    kube, refused = _refused_pass(manifest(replicas=300, minReplicas=1, maxReplicas=300), [])
+    assert kube.creates == [f"demo-worker-{i}" for i in range(SLOW_START_FIRST)]
+    assert len(refused) == MAX_FAILED_ACTION_EVENTS + 1
 
 
 def test_refused_actions_emit_a_bounded_number_of_events() -> None:
@@ -617,8 +618,8 @@ def test_a_created_pods_expectation_counts_from_the_answer_not_the_pass_start() 
     one_pass(ctl, body)
     created = ctl._expected["ml", "demo"].created
     assert len(created) == size
-    # Three rounds of CONCURRENCY creations of 50 ms each: each stamped when it was answered
-    # (one stamp for all, the pass's start, before).
+    # Rounds of creations of 50 ms each (SLOW_START_FIRST, then up to CONCURRENCY at once):
+    # each stamped when it was answered (one stamp for all, the pass's start, before).
     stamps = sorted(created.values())
     assert stamps[0] - started >= 0.05
     assert stamps[-1] - stamps[0] >= 0.09

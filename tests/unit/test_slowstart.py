@@ -99,6 +99,23 @@ def test_cancelling_the_caller_cancels_the_started_and_closes_the_rest() -> None
     assert all_closed(made)
 
 
-def test_a_limit_below_one_is_refused() -> None:
-    with pytest.raises(ValueError, match="limit must be at least 1"):
-        asyncio.run(slow_start([], limit=0))
+def test_a_first_window_of_16_takes_16_at_once_then_grows() -> None:
+    server = Server(delay=0.01)
+    asyncio.run(slow_start(calls(server, 400, []), limit=48, first=16))
+    assert server.at_start[:16] == list(range(1, 17))
+    assert max(server.at_start[:17]) == 16  # the 17th waits for a success
+    assert server.most == 48
+
+
+def test_a_refusal_with_a_first_window_costs_at_most_that_window() -> None:
+    server = Server(refuse=frozenset(range(1024)))
+    made = calls(server, 1024, [])
+    errors, unstarted = asyncio.run(slow_start(made, limit=48, first=16))
+    assert (len(errors), unstarted, server.started) == (16, 1008, list(range(16)))
+    assert all_closed(made)
+
+
+@pytest.mark.parametrize(("limit", "first"), [(0, 1), (4, 0), (4, 5)])
+def test_windows_out_of_range_are_refused(limit: int, first: int) -> None:
+    with pytest.raises(ValueError, match="need 1 <= first <= limit"):
+        asyncio.run(slow_start([], limit=limit, first=first))
