@@ -381,6 +381,11 @@ def main() -> None:
         help="with --hollow: the start, the steady state, the passes and the node loss only",
     )
     parser.add_argument(
+        "--no-loss",
+        action="store_true",
+        help="with --hollow: no node loss (the start, the passes, the scale, the end)",
+    )
+    parser.add_argument(
         "--nodes",
         type=int,
         default=16,

@@ -646,6 +646,7 @@ class Bench:
             "to": to,
             "seconds": round(spent, 2),
             "status_writes": requests_.get("patch ddpjobs/status", 0),
+            "status_changes": self.recorder.changes(name, t0, now()),
             "requests": requests_,
             "write_p99_s": round(p99, 3),
             "429": throttled,
@@ -778,8 +779,8 @@ def measure(bench: Bench, pods: int) -> JSON:
         out["table"] = [("(--short: see the JSON)", "", "", "")]
         return out
     # 5. a node lost
-    loss = bench.lose_node("big", pods)
-    out["node_loss"] = loss
+    if not bench.args.no_loss:
+        out["node_loss"] = bench.lose_node("big", pods)
     if bench.args.to_loss:
         out["operator_cpu_s"] = round(op.cpu() - cpu0, 1)
         out["table"] = [("(--to-loss: see the JSON)", "", "", "")]
@@ -884,34 +885,31 @@ def measure(bench: Bench, pods: int) -> JSON:
         "",
         "<= 50 connections/s",
     )
-    worst = max(
-        start["write_p99_s"],
-        loss["write_p99_s"],
-        down["write_p99_s"],
-        up["write_p99_s"],
-        fin["write_p99_s"],
-    )
-    throttled = sum(x["429"] for x in (start, loss, down, up, fin))
+    loss = out.get("node_loss")
+    phases = [p for p in (start, loss, down, up, fin) if p is not None]
+    worst = max(p["write_p99_s"] for p in phases)
+    throttled = sum(p["429"] for p in phases)
     bench.row(
         "API server p99 write latency (worst phase), 429s",
         f"{worst} s, {throttled}",
         f"{theirs['write_p99_s']} s, {theirs['429']}",
         "<= 1 s, 0",
     )
-    marks = loss["since_loss_s"]
-    bench.row(
-        f"node lost ({loss['lost_pods']} pods): replacements created / Running",
-        f"{marks.get('all_created')} s / {marks.get('all_running')} s",
-        "",
-        "<= 10 s after the agents' cut",
-    )
-    bench.row(
-        "node lost: counted, charged, status writes",
-        f"{loss['restarts_added']} {loss['reasons']}, {loss['charged_added']}, "
-        f"{loss['status_writes']}",
-        "",
-        f"{loss['lost_pods']}, 0, <= 3",
-    )
+    if loss is not None:
+        marks = loss["since_loss_s"]
+        bench.row(
+            f"node lost ({loss['lost_pods']} pods): replacements created / Running",
+            f"{marks.get('all_created')} s / {marks.get('all_running')} s",
+            "",
+            "<= 10 s after the agents' cut",
+        )
+        bench.row(
+            "node lost: counted, charged, status writes",
+            f"{loss['restarts_added']} {loss['reasons']}, {loss['charged_added']}, "
+            f"{loss['status_writes']}",
+            "",
+            f"{loss['lost_pods']}, 0, <= 3",
+        )
     bench.row(
         f"scale {n} -> {pods // 2} -> {n}: seconds, status writes",
         f"{down['seconds']} s + {up['seconds']} s, {down['status_writes']} + {up['status_writes']}",
