@@ -321,10 +321,11 @@ class SnapshotWriter:
 
 def _one_core() -> None:
     """The snapshot thread's torch work (the copy, the page sums) runs on one core. torch's
-    OpenMP threads are per calling thread: with its default count the copy would start a
-    second team as large as the training's, and on a machine whose cores the training already
-    keeps busy the two teams' spinning threads slowed a 0.83 s step by 0.5 s (a 100 M-parameter
-    model with AdamW on 2 cores), where one core's copy (0.1 s for 1.2 GB) costs far less."""
+    OpenMP threads are per calling thread: with its default count the copy starts a second
+    team as large as the training's, and on a machine whose cores the training already keeps
+    busy the two teams' threads compete and spin (a 100 M-parameter model with AdamW on 2
+    cores: a step 1.51x longer than without snapshots in a first, noisy try, 1.12-1.16x with
+    the copy on one core, which takes 0.1 s for 1.2 GB)."""
     torch.set_num_threads(1)
     torch.zeros(1 << 16).add_(1)  # a parallel op: this thread's OpenMP count is now 1
 
