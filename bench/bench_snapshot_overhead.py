@@ -1,18 +1,26 @@
 """Benchmark: what a snapshot after every step costs a training step (issue 36's overhead goal).
 
-One process, one rank (gloo, world 1), a DDP model with AdamW and random data, trained two ways
-in alternating blocks of ``--block`` steps so that both see the same machine: the plain loop
-(the baseline), and the same loop on ``ddpjob_worker.train.TrainState`` with a snapshot in
-``/dev/shm`` after every committed step. It prints the median step time of each, their ratio,
-and the snapshot's own time and size.
+One process, one rank (gloo, world 1), a DDP model with AdamW and random data, trained three
+ways in alternating blocks of ``--block`` steps so that all see the same machine: the plain loop
+(``plain``), the same loop on ``ddpjob_worker.train.TrainState`` with ``snapshots=False``
+(``nosnap``: ddpjob without snapshots, the sampler and the step's bookkeeping only), and on
+``TrainState`` with a snapshot in ``/dev/shm`` after every committed step (``snap``). It prints
+the median step time of each, the ratios of ``snap`` to both baselines, and the snapshot's own
+times: what the commit itself took on the training thread (``snapshot``), the copy and
+checksum that ran in the background (``background``, when the TrainState has one) and how long
+the next ``optimizer.step`` waited for that copy (``wait``).
 
 Models: ``toy`` (``tests/integration/snap_train.py``'s: 16 -> 32 -> 1, Adam's state included a
 few KB), ``100m`` (six 4,096 x 4,096 linear layers with biases: 100.7 M parameters, about
 1.2 GB of state with AdamW's two moments). ``--batch`` sets the rows per step: the snapshot's
 cost is fixed by the model's size, the step's grows with the batch.
 
+``--threads N`` sets ``torch.set_num_threads(N)`` for the training (default: torch's own, one
+per core): ``--threads 1`` on this 2-core machine leaves a core free, as a GPU node's CPUs are
+while its GPU trains.
+
 Usage: ``python bench/bench_snapshot_overhead.py --model toy --model 100m [--steps 40]
-[--batch 64] [--json out.json]``
+[--batch 64] [--threads N] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -50,17 +58,29 @@ def width(model: nn.Module) -> int:
     return int(first.in_features)
 
 
+def _stat(state: TrainState, name: str) -> float:
+    """A TrainState timing that older versions do not have (0 there)."""
+    return float(getattr(state, name, 0.0))
+
+
 def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     net = MODELS[name]()
     model = DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.randn(batch, width(net))
+    samples = batch * (steps + 2 * block + 4)
     state = TrainState(
         model=model,
         optimizer=opt,
-        sampler=ElasticSampler(batch * (steps + 2 * block + 4), batch_size=batch, seed=0),
+        sampler=ElasticSampler(samples, batch_size=batch, seed=0),
         path=shm / f"{name}.snap",
+    )
+    bare = TrainState(
+        model=model,
+        optimizer=opt,
+        sampler=ElasticSampler(samples, batch_size=batch, seed=0),
+        snapshots=False,
     )
 
     def one_step() -> None:
@@ -69,39 +89,67 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
         loss.backward()
         opt.step()
 
-    plain: list[float] = []
-    snapped: list[float] = []
+    def settle() -> None:
+        # Between blocks, outside the timings: a background copy still running belongs to
+        # the snapshotted block, not to the next block's first step.
+        flush = getattr(state, "flush", None)
+        if flush is not None:
+            flush()
+
+    times: dict[str, list[float]] = {"plain": [], "nosnap": [], "snap": []}
     snapshot_s: list[float] = []
+    background_s: list[float] = []
+    wait_s: list[float] = []
     batches = state.batches()
-    one_step()  # warm both paths up: allocations, AdamW's state
+    bare_batches = bare.batches()
+    one_step()  # warm every path up: allocations, AdamW's state, the snapshot file
+    next(bare_batches)
+    with bare.step():
+        one_step()
     next(batches)
     with state.step():
         one_step()
-    while len(snapped) < steps:
+    settle()
+    while len(times["snap"]) < steps:
         for _ in range(block):
             started = time.perf_counter()
             one_step()
-            plain.append(time.perf_counter() - started)
+            times["plain"].append(time.perf_counter() - started)
+        for _ in range(block):
+            started = time.perf_counter()
+            next(bare_batches)
+            with bare.step():
+                one_step()
+            times["nosnap"].append(time.perf_counter() - started)
         for _ in range(block):
             started = time.perf_counter()
             next(batches)
             with state.step():
                 one_step()
-            snapped.append(time.perf_counter() - started)
+            times["snap"].append(time.perf_counter() - started)
             snapshot_s.append(state.snapshot_seconds)
+            background_s.append(_stat(state, "background_seconds"))
+            wait_s.append(_stat(state, "wait_seconds"))
+        settle()
     params = sum(p.numel() for p in net.parameters())
     size = (shm / f"{name}.snap").stat().st_size
-    base, ours = statistics.median(plain), statistics.median(snapped)
+    plain, nosnap, snap = (statistics.median(times[k]) for k in ("plain", "nosnap", "snap"))
     return {
         "model": name,
         "params": params,
         "batch": batch,
-        "steps": len(snapped),
-        "plain_step_s": base,
-        "snapshot_step_s": ours,
-        "ratio": ours / base,
-        "overhead_pct": 100 * (ours - base) / base,
+        "threads": torch.get_num_threads(),
+        "steps": len(times["snap"]),
+        "plain_step_s": plain,
+        "nosnap_step_s": nosnap,
+        "snapshot_step_s": snap,
+        "ratio": snap / plain,
+        "ratio_nosnap": snap / nosnap,
+        "overhead_pct": 100 * (snap - plain) / plain,
+        "overhead_nosnap_pct": 100 * (snap - nosnap) / nosnap,
         "snapshot_s": statistics.median(snapshot_s),
+        "background_s": statistics.median(background_s),
+        "wait_s": statistics.median(wait_s),
         "snapshot_file_bytes": size,
     }
 
@@ -112,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="steps of each kind, per model")
     parser.add_argument("--block", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for the training")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "0")
     store = dist.HashStore()  # type: ignore[attr-defined]
@@ -126,13 +177,19 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
     dist.destroy_process_group()
     print()
-    print("| model | params | batch | plain step | with snapshots | ratio | snapshot | file |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | params | batch | threads | plain | no snapshots | snapshots "
+        "| vs plain | vs no snapshots | snapshot | background | wait | file |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        ms = {k: r[k] * 1000 for k in r if k.endswith("_s")}
         print(
-            f"| {r['model']} | {r['params']:,} | {r['batch']} | {r['plain_step_s'] * 1000:.2f} ms "
-            f"| {r['snapshot_step_s'] * 1000:.2f} ms | {r['ratio']:.2f}x "
-            f"| {r['snapshot_s'] * 1000:.2f} ms | {r['snapshot_file_bytes'] / 2**20:.0f} MiB |"
+            f"| {r['model']} | {r['params']:,} | {r['batch']} | {r['threads']} "
+            f"| {ms['plain_step_s']:.2f} ms | {ms['nosnap_step_s']:.2f} ms "
+            f"| {ms['snapshot_step_s']:.2f} ms | {r['ratio']:.3f}x | {r['ratio_nosnap']:.3f}x "
+            f"| {ms['snapshot_s']:.2f} ms | {ms['background_s']:.2f} ms | {ms['wait_s']:.2f} ms "
+            f"| {r['snapshot_file_bytes'] / 2**20:.0f} MiB |"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

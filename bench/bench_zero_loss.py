@@ -17,7 +17,12 @@ snapshot: ddpjob only, seen in its progress record), ``two`` (two pods' workers 
 one step), ``grow`` (a third pod joins a job of two), ``hang`` (a worker deadlocks before its
 backward: ddpjob only, where hang detection cuts it; torchrun would wait for gloo's 30 min).
 
-Usage: ``python bench/bench_zero_loss.py --runs 10 [--fault worker ...] [--json out.json]``;
+``--background on`` makes ddpjob's workers copy their parameters and optimizer state on the
+snapshot's background thread (the toy model is otherwise small enough to be written whole at
+the commit), so that the faults land on the overlapped copy too.
+
+Usage: ``python bench/bench_zero_loss.py --runs 10 [--fault worker ...] [--background on]
+[--json out.json]``;
 prints a table (median and worst steps lost per fault and mode, recovery seconds).
 """
 
@@ -88,6 +93,7 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
     steps = args.steps
     if mode == "ddpjob":
         script, train = SNAP, ["--steps", str(steps), "--step-sleep", str(STEP_SLEEP)]
+        train += ["--background", args.background]
         if fault == "copy":
             train += ["--ballast-mb", "32"]  # a copy long enough to be caught in
         if fault == "hang":
@@ -195,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-after", type=int, default=12)
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--background", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tmp", default=os.environ.get("TMPDIR", "/tmp"))
     args = parser.parse_args(argv)

@@ -12,6 +12,10 @@ then receive the state from another rank).
 ``--hang-at S --hang-rank R --hang-marker PATH``: rank R hangs in step S, before its backward
 (``SNAP hanging rank=<r> step=<s>``), once: the first to hang makes PATH, and a worker that
 finds PATH made trains on.
+
+``--background on|off``: copy the parameters and the optimizer's state on the snapshot's
+background thread whatever their size, or never (default: by size; this model is small enough
+to be written whole at the commit).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int, default=-1)
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-marker", type=Path)
+    parser.add_argument("--background", choices=("auto", "on", "off"), default="auto")
     args = parser.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -67,6 +72,7 @@ def main() -> None:
         optimizer=opt,
         sampler=ElasticSampler(len(data), batch_size=8, seed=0),
         extra=ballast,
+        background={"auto": None, "on": True, "off": False}[args.background],
     )
     for indices in state.batches():
         if state.restored is not None and state.step_no == state.restored.step:

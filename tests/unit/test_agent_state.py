@@ -297,6 +297,7 @@ def test_most_of_the_worker_package_imports_without_torch() -> None:
         "workers",
         "train",
         "flat",
+        "snapwriter",
     }
     assert light == modules - torch_side - {"__init__"}, sorted(light)
     assert {name.rpartition(".")[2] for name in MEMBERSHIP_CORE} <= light

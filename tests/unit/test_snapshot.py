@@ -78,7 +78,7 @@ def test_a_state_larger_than_a_slot_is_refused_and_nothing_is_lost(tmp_path: Pat
 def test_a_file_that_is_not_a_snapshot_file_is_refused_by_name(tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.write_bytes(b"\0" * (HEADER_BYTES + 16))
-    with pytest.raises(SnapshotError, match="is not a version-1 snapshot file"):
+    with pytest.raises(SnapshotError, match="is not a version-2 snapshot file"):
         SnapshotFile.open(other)
     with pytest.raises(SnapshotError, match="cannot open the snapshot file"):
         SnapshotFile.open(tmp_path / "missing")

@@ -204,7 +204,7 @@ def test_a_state_that_outgrows_its_file_gets_a_larger_one(
     snaps = SnapshotFile.open(path)
     assert snaps.capacity >= 2 * len(state.payload())
     state.extra["big"] = b"x" * (2 * snaps.capacity)
-    with caplog.at_level("INFO", logger="ddpjob_worker.train"):
+    with caplog.at_level("INFO", logger="ddpjob_worker.snapwriter"):
         train(state, 2)
     assert "remaking" in caplog.text
     snap = newest(SnapshotFile.open(path))

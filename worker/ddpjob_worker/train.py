@@ -12,10 +12,15 @@ About three changed lines in a plain DDP script::
 What a step's state is: the model's and optimizer's (and scheduler's) state dicts, the
 sampler's position (epoch and the count of samples the whole job has consumed in it), the
 rank's RNG states (torch, ``random``, numpy when it is installed), the user's ``extra`` dict
-and the committed step number. It is written synchronously, its tensors copied once straight
-into this local rank's :class:`~ddpjob_worker.snapshot.SnapshotFile` (two slots: a worker
-killed mid-write keeps the snapshot before it), ``<DDPJOB_SNAPSHOT_DIR>/rank<local rank>.snap``
-in the directory the agent owns (:mod:`ddpjob_worker.snapdir`), so it outlives the worker.
+and the committed step number. Its tensors are copied once straight into this local rank's
+:class:`~ddpjob_worker.snapshot.SnapshotFile` (two slots: a worker killed mid-write keeps the
+snapshot before it), ``<DDPJOB_SNAPSHOT_DIR>/rank<local rank>.snap`` in the directory the agent
+owns (:mod:`ddpjob_worker.snapdir`), so it outlives the worker. For a large state the
+parameters and the optimizer's state are copied on a background thread while the next step's
+forward and backward run, and the next ``optimizer.step`` waits for that copy
+(:mod:`ddpjob_worker.snapwriter`, which says what that asks of a script and why a worker
+killed meanwhile may then lose one committed step); ``TrainState(background=False)`` writes
+every snapshot whole at the commit.
 
 The restore (:meth:`TrainState.restore`, run by :meth:`TrainState.batches` before its first
 batch) over the default process group: every rank tells the others its newest good snapshot
@@ -60,13 +65,14 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ddpjob_worker import flat, progress, snapdir
+from ddpjob_worker import flat, progress, snapdir, snapwriter
 from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
 from ddpjob_worker.hang import StepTimes
 from ddpjob_worker.progress import Phase
 from ddpjob_worker.sampler import Batch, ElasticSampler
 from ddpjob_worker.saving import saving
 from ddpjob_worker.snapshot import SLOTS, Snapshot, SnapshotError, SnapshotFile
+from ddpjob_worker.snapwriter import SnapshotWriter
 
 __all__ = [
     "Batch",
@@ -81,11 +87,6 @@ __all__ = [
 logger = logging.getLogger("ddpjob_worker.train")
 
 PAYLOAD_VERSION = 1
-MIN_CAPACITY = 64 * 1024
-"""The smallest slot we make: a tiny state still gets room to grow."""
-HEADROOM = 2
-"""A slot holds this many times the first state: an optimizer's state grows after its first
-step (Adam's moments appear), and a file made to fit exactly would be remade at once."""
 
 
 class Stateful(Protocol):
@@ -207,11 +208,15 @@ class TrainState:
         path: Path | None = None,
         snapshots: bool = True,
         checkpoint: Path | str | None = None,
+        background: bool | None = None,
     ) -> None:
         """``path``: the snapshot file (default: :func:`snapshot_path`); ``snapshots=False``
         keeps nothing (the loop and the sampler still work). ``checkpoint``: the file on disk
         that :meth:`save_checkpoint` writes and the restore falls back to when no rank holds
-        a snapshot (the same path on every rank; rank 0's copy is the one read)."""
+        a snapshot (the same path on every rank; rank 0's copy is the one read).
+        ``background``: copy the parameters and the optimizer's state on a background thread
+        that overlaps the next step (True), never (False: every snapshot whole at the commit),
+        or from :data:`ddpjob_worker.snapwriter.BACKGROUND_FROM` bytes of state (None)."""
         self.model = model
         self.optimizer = optimizer
         self.sampler = sampler
@@ -222,13 +227,16 @@ class TrainState:
         self.step_no = 0
         """The committed step."""
         self.restored: Restored | None = None
-        self.snapshot_seconds = 0.0
-        """How long the last snapshot took (serialize and write)."""
         self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self._path: Path | None = path if path is not None else snapshot_path(os.environ)
         if not snapshots:
             self._path = None
-        self._file: SnapshotFile | None = None
+        self._writer: SnapshotWriter | None = None
+        if self._path is not None:
+            self._writer = SnapshotWriter(self._path, background=background)
+            # The parameters and the optimizer's state may still be being copied for the
+            # last commit's snapshot: its next step must not change them before that ends.
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._pending: int | None = None
         self._progress = _progress_writer(os.environ)
         self._step_times = StepTimes()
@@ -250,9 +258,12 @@ class TrainState:
             batch = self.sampler.next_batch(rank, world)
             if batch is None:
                 self._mark(Phase.IDLE)
+                self.flush()
                 return
             self._pending = batch.consumed
             self._mark(Phase.COMPUTE)
+            if self._writer is not None:
+                self._writer.waited = 0.0
             yield batch.indices
 
     @contextlib.contextmanager
@@ -267,6 +278,39 @@ class TrainState:
             self._pending = None
         self.step_no += 1
         self.snapshot()
+
+    # -- the snapshot's timings and waits ----------------------------------------------------
+
+    @property
+    def snapshot_seconds(self) -> float:
+        """How long the last snapshot took on the training thread (at the commit)."""
+        return 0.0 if self._writer is None else self._writer.seconds
+
+    @property
+    def background_seconds(self) -> float:
+        """How long the last finished background copy took (copy, checksum, publish)."""
+        return 0.0 if self._writer is None else self._writer.background_seconds
+
+    @property
+    def wait_seconds(self) -> float:
+        """How long this step waited for the last snapshot's background copy."""
+        return 0.0 if self._writer is None else self._writer.waited
+
+    def flush(self) -> None:
+        """Wait until the last snapshot is whole in its file (its background copy, if any,
+        done); raise its failure if it failed. Call it before changing the parameters or the
+        optimizer's state outside ``optimizer.step`` and the step block (the copy may still
+        be reading them; see :mod:`ddpjob_worker.snapwriter`). The restore, a checkpoint, the
+        next snapshot and the end of :meth:`batches` call it."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._writer is not None:
+            self._writer.wait_copied()
+
+    def _deferrable(self) -> set[int]:
+        return snapwriter.pointers(self.model, self.optimizer)
 
     # -- progress (hang detection) --------------------------------------------------------------
 
@@ -301,6 +345,7 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any], *, rng: bool = True) -> None:
         """Load a :meth:`state_dict`; ``rng=False`` leaves the RNG states alone."""
+        self.flush()  # a background copy may still read the tensors this overwrites
         if state.get("version") != PAYLOAD_VERSION:
             raise SnapshotError(
                 f"snapshot payload version {state.get('version')!r}, this code reads "
@@ -341,6 +386,7 @@ class TrainState:
         ddpjob-agent lets the write finish before it stops this worker. Whether it wrote."""
         if self.checkpoint is None:
             raise ValueError("save_checkpoint needs TrainState(checkpoint=<path>)")
+        self.flush()  # the snapshot of this step first (and its failure, if it failed)
         if _rank_world()[0] != 0:
             return False
         path = self.checkpoint
@@ -418,72 +464,23 @@ class TrainState:
     # -- snapshots ----------------------------------------------------------------------------
 
     def snapshot(self) -> None:
-        """Write the committed state into this rank's snapshot file (synchronously; the
-        tensors copied once, straight into the file: :mod:`ddpjob_worker.flat`)."""
-        if self._path is None:
+        """Write the committed state into this rank's snapshot file (the tensors copied once,
+        straight into the file: :mod:`ddpjob_worker.flat`; the parameters and the optimizer's
+        state possibly in the background: :mod:`ddpjob_worker.snapwriter`)."""
+        if self._writer is None:
             return
-        started = time.perf_counter()
-        laid = flat.plan(self.state_dict())
-        snaps = self._room(laid.nbytes)
-        if snaps is not None:
-            snaps.write_with(self.step_no, self.generation, laid.nbytes, laid.fill)
-            if snaps.path != self._path:
-                # A new file, moved over the old one only once it holds this step: the old
-                # one's snapshot stayed good until now.
-                os.replace(snaps.path, self._path)
-                snaps.path = self._path
-        self.snapshot_seconds = time.perf_counter() - started
-
-    def _room(self, nbytes: int) -> SnapshotFile | None:
-        """The snapshot file, or a new one at a temporary name when there is none or it has no
-        room for ``nbytes`` (:meth:`snapshot` moves it to its name after the write)."""
-        path = self._path
-        if path is None:
-            return None
-        if self._file is None and path.exists():
-            try:
-                self._file = SnapshotFile.open(path)
-            except SnapshotError as exc:
-                logger.warning("replacing an unusable snapshot file: %s", exc)
-        if self._file is not None and nbytes <= self._file.capacity:
-            return self._file
-        capacity = max(MIN_CAPACITY, HEADROOM * nbytes)
-        if self._file is not None:
-            logger.info(
-                "a step's state grew to %d bytes, past the snapshot slots' %d: remaking %s "
-                "with %d-byte slots",
-                nbytes,
-                self._file.capacity,
-                path,
-                capacity,
-            )
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fresh = SnapshotFile.create(path.with_name(path.name + ".new"), capacity)
-        except OSError as exc:
-            logger.warning(
-                "no in-memory snapshots for this worker (%s): a restart resumes from the last "
-                "checkpoint only",
-                exc,
-            )
+        if not self._writer.write(
+            self.step_no, self.generation, self.state_dict(), self._deferrable
+        ):
+            self._writer = None  # no file could be made: no snapshots (a warning said why)
             self._path = None
-            return None
-        if self._file is not None:
-            self._file.close()
-        self._file = fresh
-        return fresh
 
     def _local(self) -> Snapshot | None:
         """This rank's own newest snapshot, if it has one."""
-        path = self._path
-        if path is None or not path.exists():
+        if self._writer is None:
             return None
-        try:
-            self._file = SnapshotFile.open(path)
-        except SnapshotError as exc:
-            logger.warning("ignoring this rank's snapshot: %s", exc)
-            return None
-        return newest(self._file)
+        snaps = self._writer.open_existing()
+        return None if snaps is None else newest(snaps)
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -492,11 +489,7 @@ class TrainState:
         then check that every rank holds the same model. Collective: every rank calls it."""
         rank, world = _rank_world()
         local = self._local()
-        mine = (
-            [0, 0, 0, 0]
-            if local is None
-            else [1, local.step, local.generation, zlib.crc32(local.payload)]
-        )
+        mine = [0, 0, 0, 0] if local is None else [1, local.step, local.generation, local.checksum]
         # (step, generation, crc) of each rank's newest snapshot, None where it has none
         infos = [info[1:] if info[0] else None for info in _all_gather(mine, world)]
         held = [(info[0], -r) for r, info in enumerate(infos) if info is not None]
