@@ -224,14 +224,16 @@ def _without_counts(status: api.DDPJobStatus) -> api.DDPJobStatus:
 
 def whole(status: api.DDPJobStatus, desired: int, nproc: int) -> bool:
     """The job is whole: every one of its ``desired`` pods there and ready, and the world they
-    train in (as their agents say, when asked) all of them. Not merely every pod that is left:
-    a lost node's pods, once deleted, are no longer counted in ``replicas``, and the rest are
-    all ready."""
+    train in (as their agents say, when asked) all of them and no more. Not merely every pod
+    that is left: a lost node's pods, once deleted, are no longer counted in ``replicas``, and
+    the rest are all ready. Not a world larger than the job either: after a scale-down the
+    agents leave the old world over a second or two, and each step of it (1,024 -> 512: 706,
+    636, 623, ... 512) was written at once."""
     return (
         desired > 0
         and status.replicas == desired
         and status.ready_replicas >= desired
-        and status.world_size >= desired * nproc
+        and status.world_size == desired * nproc
     )
 
 

@@ -586,6 +586,8 @@ def test_only_counts_settle() -> None:
     assert not whole(full, 101, 2)  # a pod is missing: not every pod that is left
     assert not whole(full.model_copy(update={"ready_replicas": 99}), 100, 2)
     assert not whole(full.model_copy(update={"world_size": 198}), 100, 2)  # the world lags
+    # A scale-down's pods are gone, but their agents still leave the world: not whole yet.
+    assert not whole(full.model_copy(update={"world_size": 202}), 100, 2)
     assert not whole(api.DDPJobStatus(), 0, 1)
     # Uids leaving accountedPods (their pods were released) go with the next write, never
     # alone; with counts, they settle as the counts do; a uid that joins is written now.
