@@ -124,3 +124,44 @@ def test_a_writer_killed_mid_copy_loses_at_most_that_copy(tmp_path: Path) -> Non
         # The other slot is either the step before (whole) or the copy that was cut (torn).
         assert other is None or other.step == newest.step - 1, (delay, other and other.step)
         snaps.close()
+
+
+_FULL_TMPFS = """
+import sys
+from pathlib import Path
+from ddpjob_worker.snapshot import SnapshotFile
+try:
+    snaps = SnapshotFile.create(Path(sys.argv[1]) / "s", capacity=4 << 20)
+    snaps.write(1, 0, bytes(4 << 20))
+except OSError as exc:
+    print("refused:", exc.strerror, sorted(p.name for p in Path(sys.argv[1]).iterdir()))
+else:
+    print("written")
+"""
+
+
+def test_a_snapshot_file_that_does_not_fit_its_tmpfs_is_refused_not_a_sigbus(
+    tmp_path: Path,
+) -> None:
+    """A /dev/shm too small for the slots (a pod's sizeLimit, a node's tmpfs): the file is
+    refused when it is made (ENOSPC, no file left behind), where a sparse file's pages were
+    found missing only by the first write through the mapping, with a SIGBUS that killed the
+    worker. A 1 MiB tmpfs in a private mount namespace of a child process."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = 'mount -t tmpfs -o size=1m ddpjob-test "$1" && exec "$2" -c "$3" "$1"'
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "true"], check=False, capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here: {probe.stderr.decode().strip()}")
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+         str(mount), sys.executable, _FULL_TMPFS],
+        check=False, capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout.strip()) == (0, "refused: No space left on device []"), (
+        done.returncode,
+        done.stderr[-2000:],
+    )

@@ -155,9 +155,17 @@ class SnapshotFile:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with tmp.open("wb") as out:
-            out.truncate(file_bytes(capacity))
-            out.write(_PREAMBLE.pack(MAGIC, VERSION, capacity))
+        try:
+            with tmp.open("wb") as out:
+                out.truncate(file_bytes(capacity))
+                # The slots' pages are reserved now: a tmpfs (/dev/shm) with no room left for
+                # a page written through the mapping kills the writer with SIGBUS; here it is
+                # an OSError (ENOSPC) that the caller reports, and training goes on.
+                os.posix_fallocate(out.fileno(), 0, file_bytes(capacity))
+                out.write(_PREAMBLE.pack(MAGIC, VERSION, capacity))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
         return cls.open(path, sums)
 
