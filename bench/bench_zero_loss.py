@@ -8,8 +8,12 @@ committed before the fault, less the step the job resumed at (a step redone coun
 * ``ddpjob``: ``ddpjob-agent`` running ``tests/integration/snap_train.py`` on
   ``ddpjob_worker.train`` (a snapshot in memory after every step, the restore from the
   survivors, hang detection).
-* ``torchrun``: stock torchrun running ``examples/train.py``, a checkpoint on disk every
-  ``--ckpt-every`` steps: the baseline.
+* ``ddpjob-ckpt``: ``ddpjob-agent`` running ``examples/train.py`` with a checkpoint on disk
+  every ``--ckpt-every`` steps: ddpjob as it was before the training-state API (a baseline).
+* ``torchrun``: stock torchrun running the same, the other baseline.
+
+For each run it also measures **training again**: the seconds from the fault (for ``hang``,
+from when the worker hung) until a worker started after it commits a step.
 
 Faults: ``worker`` (one worker SIGKILLed), ``pod`` (a pod's agent and worker SIGKILLed),
 ``freeze`` (a pod SIGSTOPped whole), ``copy`` (a worker SIGKILLed while it writes its
@@ -23,12 +27,14 @@ the commit), so that the faults land on the overlapped copy too.
 
 Usage: ``python bench/bench_zero_loss.py --runs 10 [--fault worker ...] [--background on]
 [--json out.json]``;
-prints a table (median and worst steps lost per fault and mode, recovery seconds).
+prints a table (median and worst steps lost per fault and mode, the seconds to training again
+and to the job's end).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -49,6 +55,7 @@ from tests.harness import TRAIN, Cluster, Node  # noqa: E402
 SNAP = REPO / "tests" / "integration" / "snap_train.py"
 FAULTS = ("worker", "pod", "freeze", "copy", "two", "grow", "hang")
 ONLY_DDPJOB = {"copy", "hang"}
+MODES = ("ddpjob", "ddpjob-ckpt", "torchrun")
 STEP_SLEEP = 0.1
 CAP_SECONDS = 240.0
 
@@ -78,6 +85,17 @@ def resumed(mode: str, text: str) -> list[int]:
     return [int(m.group(1)) for m in RESUME_LINE.finditer(text)]
 
 
+def resume_mark(mode: str) -> str:
+    return "SNAP resumed" if mode == "ddpjob" else "DDPJOB resume"
+
+
+def trained_again(mode: str, text: str, resumes_before: int) -> bool:
+    """A worker that started after the fault (a resume record beyond ``resumes_before``) has
+    committed a step."""
+    parts = text.split(resume_mark(mode))
+    return len(parts) - 1 > resumes_before and bool(committed(mode, parts[-1]))
+
+
 def wait(what: str, check: Any, cap: float, poll: float = 0.02) -> None:
     deadline = time.monotonic() + cap
     while time.monotonic() < deadline:
@@ -99,7 +117,7 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
         if fault == "hang":
             train += ["--hang-at", str(args.fault_after + 2), "--hang-rank", "2"]
             train += ["--hang-marker", str(root / "hung-once")]
-    else:
+    else:  # ddpjob-ckpt, torchrun
         script = TRAIN
         train = ["--steps", str(steps), "--step-sleep", str(STEP_SLEEP)]
         train += ["--ckpt-every", str(args.ckpt_every)]
@@ -120,10 +138,22 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
         )
         if fault != "hang":
             time.sleep(rng.uniform(0.0, STEP_SLEEP * 1.5))  # a random point of a step
-        at = time.monotonic()
         old = list(nodes)  # the nodes of the job the fault hit
+        resumes = {n.index: n.text().count(resume_mark(mode)) for n in old}
+        at = time.monotonic()
         inject(fault, mode, cluster, nodes, train, env, script)
+        if fault == "hang":
+            at = time.monotonic()  # inject returned once the worker hung
         survivors = [n for n in nodes if fault not in ("pod", "freeze") or n.index != 2]
+        with contextlib.suppress(TimeoutError):
+            wait(
+                "training again",
+                lambda: any(
+                    trained_again(mode, n.text(), resumes.get(n.index, 0)) for n in survivors
+                ),
+                CAP_SECONDS,
+            )
+            result["again_s"] = round(time.monotonic() - at, 2)
         for node in survivors:
             code = node.wait_exit(CAP_SECONDS)
             if code != 0:
@@ -196,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--fault", action="append", choices=FAULTS)
-    parser.add_argument("--mode", action="append", choices=("ddpjob", "torchrun"))
+    parser.add_argument("--mode", action="append", choices=MODES)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--fault-after", type=int, default=12)
     parser.add_argument("--ckpt-every", type=int, default=10)
@@ -207,19 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     results: list[dict[str, Any]] = []
-    modes = args.mode or ["ddpjob", "torchrun"]
+    modes = args.mode or list(MODES)
     for fault in args.fault or FAULTS:
         for run in range(args.runs):
             for mode in modes if run % 2 == 0 else modes[::-1]:
-                if mode == "torchrun" and fault in ONLY_DDPJOB:
+                if mode != "ddpjob" and fault in ONLY_DDPJOB:
                     continue
                 result = run_once(mode, fault, args, rng)
                 results.append(result)
                 print(json.dumps(result), file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    print("\n| fault | mode | ok/runs | steps lost, median [worst] | to the job's end s |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| fault | mode | ok/runs | steps lost, median [worst] | training again s, median "
+        "[worst] | to the job's end s |"
+    )
+    print("|---|---|---|---|---|---|")
     for fault in args.fault or FAULTS:
         for mode in modes:
             rows = [r for r in results if (r["fault"], r["mode"]) == (fault, mode)]
@@ -228,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             ok = [r for r in rows if r.get("outcome") == "ok"]
             lost = [r["lost"] for r in ok]
             secs = [r["to_end_s"] for r in ok]
+            again = [r["again_s"] for r in ok if "again_s" in r]
             shown = f"{statistics.median(lost):g} [{max(lost)}]" if lost else "-"
+            back = f"{statistics.median(again):.2f} [{max(again):.2f}]" if again else "-"
             took = f"{statistics.median(secs):.1f}" if secs else "-"
-            print(f"| {fault} | {mode} | {len(ok)}/{len(rows)} | {shown} | {took} |")
+            print(f"| {fault} | {mode} | {len(ok)}/{len(rows)} | {shown} | {back} | {took} |")
     return 0
 
 
