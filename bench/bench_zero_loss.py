@@ -121,7 +121,7 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
         script = TRAIN
         train = ["--steps", str(steps), "--step-sleep", str(STEP_SLEEP)]
         train += ["--ckpt-every", str(args.ckpt_every)]
-    env = {"DDPJOB_WARM_WORKERS": "0"}
+    env = {} if args.warm else {"DDPJOB_WARM_WORKERS": "0"}
     start = 2 if fault == "grow" else 3
     nodes: list[Node] = [
         cluster.start(i, train, stock=mode == "torchrun", env=env, script=script)
@@ -232,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--background", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="keep the agents' warm spare workers (off by default: 3 agents' spares on 2 cores)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tmp", default=os.environ.get("TMPDIR", "/tmp"))
     args = parser.parse_args(argv)
