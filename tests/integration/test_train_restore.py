@@ -107,14 +107,16 @@ def test_a_killed_worker_resumes_from_the_survivors_snapshot(tmp_path: Path) -> 
     print(f"snapshot write: median {ms[len(ms) // 2]:.2f} ms, max {ms[-1]:.2f} ms")
 
 
-def test_a_worker_hung_in_user_code_is_cut_and_the_job_resumes_at_its_step(
+def test_a_worker_hung_in_user_code_ends_the_round_once_and_the_job_resumes_at_its_step(
     make_cluster: MakeCluster, tmp_path: Path
 ) -> None:
     # Three agents, one worker each; rank 2 deadlocks in step 10 before its backward, while
     # its agent and both peers live (so nothing closes, nothing is silent). Ranks 0 and 1
     # wait in step 10's all-reduce; the hub sees that from the workers' progress records and
-    # cuts node 2 as hung after the floor threshold (the steps are short), long before gloo's
-    # 30-minute timeout. Everyone resumes at step 10 from the in-memory snapshots.
+    # ends the round after the floor threshold (the steps are short), long before gloo's
+    # 30-minute timeout, naming node 2: its agent kills its worker and charges the restart to
+    # itself, and all three form the next round at once (one restart, nobody cut). Everyone
+    # resumes at step 10 from the in-memory snapshots.
     cluster = make_cluster(min_nodes=2, max_nodes=3)
     marker = tmp_path / "hung-once"
     args = ["--steps", "40", "--step-sleep", "0.05", "--hang-at", "10", "--hang-rank", "2"]
@@ -126,8 +128,15 @@ def test_a_worker_hung_in_user_code_is_cut_and_the_job_resumes_at_its_step(
     for node in nodes:
         assert node.wait_exit(180) == 0, cluster.logs()
     text = "".join(node.text() for node in nodes)
-    cut = re.findall(r"hold round [\d.]+ up: .*\(hung\): (\S+)", text)
-    assert len(cut) == 1, cluster.logs()  # one cut, of node 2's member alone
+    hung = re.findall(r"hold round [\d.]+ up: .*\(hung\): (\S+)", text)
+    assert len(hung) == 1, cluster.logs()  # one verdict, on node 2's member alone
+    assert "cutting" not in text, cluster.logs()
+    assert "round 1.0 is over (failure, hung): forming round 1" in text, cluster.logs()
+    assert "round 1.1 formed with 3 members" in text and "round 1.2" not in text, cluster.logs()
+    assert "charged to this node" in nodes[2].text() and "charged to this node" not in (
+        nodes[0].text() + nodes[1].text()
+    ), cluster.logs()
+    assert [node.text().count("SNAP start") for node in nodes] == [2, 2, 2], cluster.logs()
     assert [h["rank"] for h in records(text, "hanging")] == ["2"]
     # Node 0's first worker committed steps 0-9 (printed as 1-10), then waited in step 10.
     first = nodes[0].text().split("SNAP start")[1]

@@ -428,3 +428,29 @@ def test_a_members_view_rings_its_agent_when_it_changes_and_only_then(pods: list
         assert [who for who, _ in rings] == [1], rings
     finally:
         run_on_loop(made.stop())
+
+
+def test_a_hang_verdict_ends_the_round_for_all_names_the_stuck_member_and_cuts_nobody(
+    pods: list[Pod],
+) -> None:
+    made, address = hub(min_nodes=2, max_nodes=3)
+    try:
+        start(pods, 3, address)
+        assert in_round(pods, 3) == 0
+        stuck = pods[2].member.ident
+
+        async def verdict() -> None:  # what the hub's watch calls (test_hubwatch drives it)
+            made._hung(frozenset({stuck}))
+
+        run_on_loop(verdict(), timeout=5)
+        views = [pod.member.wait(lambda v: bool(v.ends), 5.0) for pod in pods]
+        assert [view.ends for view in views] == [frozenset({"failure", "hung"})] * 3
+        assert [view.hung for view in views] == [False, False, True]
+        assert [view.cut for view in views] == [frozenset()] * 3
+        rejoin(pods)
+        # One round change, with all three: the stuck member's agent stops its worker and
+        # comes back at once (cut, it came back after the next round had formed: two).
+        assert in_round(pods, 3) == 1
+        assert [pod.view.hung for pod in pods] == [False] * 3
+    finally:
+        run_on_loop(made.stop())

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from ddpjob_worker.hubwatch import STALL_SECONDS, HubWatch
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent
-from ddpjob_worker.progress import Progress
+from ddpjob_worker.hang import FLOOR_SECONDS
+from ddpjob_worker.progress import Phase, Progress
 from ddpjob_worker.suspicion import OBSERVERS, PROBE_SECONDS, SILENT_AFTER_SECONDS
 from ddpjob_worker.wire import Message
 
@@ -31,10 +32,12 @@ class Rig:
         }
         self.sent: list[tuple[NodeIdent, Message]] = []
         self.cuts: list[dict[NodeIdent, Health]] = []
+        self.hangs: list[frozenset[NodeIdent]] = []
         self.watch = HubWatch(
             self.peers,
             send=lambda ident, message: self.sent.append((ident, message)),
             cut=self.cut,
+            hung=self.hangs.append,
             probe=lambda address: Health.ALIVE,
             clock=lambda: self.now,
         )
@@ -46,15 +49,22 @@ class Rig:
         for ident in lost:
             self.watch.forget(ident)
 
-    def advance(self, seconds: float, *, quiet: frozenset[NodeIdent] = frozenset()) -> None:
-        """Time passes in ticks; every member but ``quiet`` speaks at each."""
+    def advance(
+        self,
+        seconds: float,
+        *,
+        quiet: frozenset[NodeIdent] = frozenset(),
+        running: tuple[str, int] | None = None,
+    ) -> None:
+        """Time passes in ticks; every member but ``quiet`` speaks at each. ``running``: the
+        round that runs (its id and number), None while one forms."""
         end = self.now + seconds
         while self.now < end:
             self.now = round(self.now + 0.1, 6)
             for ident in self.idents:
                 if ident not in quiet and ident in self.peers:
                     self.watch.heard(ident)
-            self.watch.tick(self.idents, None)
+            self.watch.tick(self.idents, running)
 
 
 def test_a_quiet_member_is_probed_by_others_and_cut_once_they_all_answer_silent() -> None:
@@ -126,3 +136,19 @@ def test_questions_nobody_answered_are_forgotten_once_their_case_is_closed() -> 
     assert len([m for _, m in rig.sent if m["t"] == "probe"]) == 4 * OBSERVERS
     assert rig.watch._probes == {}
     assert rig.cuts == []
+
+
+def test_a_member_whose_worker_holds_the_round_up_is_named_hung_not_cut() -> None:
+    # Three of four workers wait in step 7's all-reduce; node-02's has computed step 7 since.
+    # Its agent speaks all along: the round ends with it named, and nobody is cut.
+    rig = Rig(4)
+    since = rig.now
+    for ident in rig.idents:
+        phase = Phase.COMPUTE if ident == rig.idents[2] else Phase.COLLECTIVE
+        rig.peers[ident].progress = (3, [Progress(7, phase, since, 0.5)])
+    rig.advance(FLOOR_SECONDS - 0.5, running=("1.3", 3))
+    assert rig.hangs == []  # the threshold (its floor: the steps are short) is not past
+    rig.advance(1.0, running=("1.3", 3))
+    assert rig.hangs[0] == frozenset({rig.idents[2]})
+    assert rig.cuts == []
+    assert not [m for _, m in rig.sent if m["t"] == "probe"]  # its agent was never quiet

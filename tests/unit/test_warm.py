@@ -63,7 +63,9 @@ def _no_terminal_stdin() -> Iterator[None]:
 
 @pytest.fixture
 def pool() -> Iterator[WarmPool]:
-    warm = WarmPool(1, preload=("json",), after_seconds=0)
+    # Spares at the normal policy: handed over as soon as they start (the tests of the idle
+    # policy, which waits for ready ones, come last).
+    warm = WarmPool(1, preload=("json",), after_seconds=0, idle=False)
     yield warm
     warm.close()
 
@@ -556,6 +558,7 @@ def test_a_warm_worker_keeps_its_main_module_after_the_body_as_a_cold_one_does(
     pool = WarmPool(1, preload=("json",), after_seconds=0)
     try:
         pool.tick()
+        wait_ready(pool)
         proc = pool.take(command, dict(os.environ), redirected=False)
         assert proc is not None and wait(proc) == 0
         assert report.exists()
@@ -573,7 +576,8 @@ def test_a_large_handover_does_not_wait_for_the_spares_imports(
     monkeypatch.setenv("REPORT_TO", str(report))
     for i in range(8):  # 256 KiB in all (one variable may not exceed 128 KiB)
         monkeypatch.setenv(f"SERVICE_{i}_PORT", "x" * (32 << 10))
-    pool = WarmPool(1, preload=("slow_import",), after_seconds=0)
+    # Spares at the normal policy (the agent's early ones) are handed over before they are ready.
+    pool = WarmPool(1, preload=("slow_import",), after_seconds=0, idle=False)
     try:
         pool.tick()
         script = tmp_path / "t.py"
@@ -593,6 +597,81 @@ def test_a_large_handover_does_not_wait_for_the_spares_imports(
         (proc,) = taken
         assert proc is not None and wait(proc) == 0
         assert json.loads(report.read_text())["rank"] == "0"
+    finally:
+        gate.touch()
+        pool.close()
+
+
+POLICIES = """
+import json, os
+policies = {}
+for tid in os.listdir("/proc/self/task"):
+    try:
+        policies[tid] = os.sched_getscheduler(int(tid))
+    except OSError:
+        pass
+with open(os.environ["REPORT_TO"], "w") as f:
+    json.dump({"main": os.sched_getscheduler(0), "threads": policies}, f)
+"""
+
+IDLE_PROBE = """
+import os, threading, time
+with open(os.environ["PROBE_TO"], "w") as f:
+    f.write(str(os.sched_getscheduler(0)))
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # inherits the policy
+"""
+
+
+def test_a_pool_spare_imports_at_the_idle_policy_and_its_worker_runs_at_the_normal_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The import thread runs SCHED_IDLE (measured: it never slows the workers' own start-up);
+    # the worker, and a thread the import started (which inherited the idle policy), do not.
+    (tmp_path / "idle_probe.py").write_text(IDLE_PROBE)
+    probe, report = tmp_path / "probe", tmp_path / "report.json"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PROBE_TO", str(probe))
+    monkeypatch.setenv("REPORT_TO", str(report))
+    pool = WarmPool(1, preload=("idle_probe",), after_seconds=0)
+    try:
+        pool.tick()
+        wait_ready(pool)
+        assert pool.ready == 1
+        assert int(probe.read_text()) == os.SCHED_IDLE
+        script = tmp_path / "policies.py"
+        script.write_text(POLICIES)
+        proc = pool.take([PY, "-u", str(script)], dict(os.environ), redirected=False)
+        assert proc is not None and wait(proc) == 0
+        seen = json.loads(report.read_text())
+        assert seen["main"] == os.SCHED_OTHER
+        assert len(seen["threads"]) >= 2  # the main thread and the probe's sleeper
+        assert set(seen["threads"].values()) == {os.SCHED_OTHER}
+        assert pool.handed_over == 1
+    finally:
+        pool.close()
+
+
+def test_an_idle_spare_not_done_importing_stays_for_the_next_restart_and_the_worker_starts_cold(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    gate, report = gated_import(monkeypatch, tmp_path), tmp_path / "report.json"
+    monkeypatch.setenv("REPORT_TO", str(report))
+    pool = WarmPool(1, preload=("slow_import",), after_seconds=0)
+    script = tmp_path / "t.py"
+    script.write_text(REPORT)
+    try:
+        pool.tick()
+        time.sleep(0.5)
+        spare = pool.idle
+        assert len(spare) == 1 and pool.ready == 0
+        assert pool.take([PY, "-u", str(script)], dict(os.environ), redirected=False) is None
+        assert pool.cold_starts == 1 and pool.idle == spare  # kept, not killed
+        gate.touch()
+        wait_ready(pool)
+        proc = pool.take([PY, "-u", str(script)], dict(os.environ, RANK="3"), redirected=False)
+        assert proc is not None and proc.pid == spare[0] and wait(proc) == 0
+        assert json.loads(report.read_text())["rank"] == "3"
+        assert pool.handed_over == 1
     finally:
         gate.touch()
         pool.close()

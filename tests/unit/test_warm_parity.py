@@ -51,6 +51,7 @@ def report_of(command: list[str], pool: WarmPool | None, report: Path) -> object
         done = subprocess.run(command, env=dict(os.environ), capture_output=True, check=False)
         assert done.returncode == 0, done.stderr
     else:
+        wait_ready(pool)  # the pool's spares are handed over once ready
         proc = pool.take(command, dict(os.environ), redirected=False)
         assert proc is not None
         assert proc.wait(timeout=30) == 0

@@ -62,7 +62,7 @@ from ddpjob_worker.liveness import Health
 from ddpjob_worker.policy import REAP_SECONDS, Action, Settings, WorkerStatus, decide
 from ddpjob_worker.rendezvous import check_in, round_members
 from ddpjob_worker.seal import Seal
-from ddpjob_worker.state import Phase, StateWriter
+from ddpjob_worker.state import Failure, Phase, StateWriter
 from ddpjob_worker.storelink import StoreLink
 from ddpjob_worker.watch import Look, RoundWatch
 
@@ -188,6 +188,7 @@ class DdpjobAgent(LocalElasticAgent):
                 raise RuntimeError(f"[{role}] worker group in unexpected state {result.state.name}")
             failure = self._blame.failure(result.failures, group.group_rank or 0, noticed_at)
             tick = self._next_action(group, status, failure)
+            status = tick.status  # FAILED for a worker the hub found hung, though it runs
             steady = tick.action is Action.CONTINUE and status is WorkerStatus.HEALTHY
             if tick.action is Action.CONTINUE:
                 if status is WorkerStatus.HEALTHY:
@@ -203,7 +204,10 @@ class DdpjobAgent(LocalElasticAgent):
                 self._exit_barrier()  # type: ignore[no-untyped-call]
                 self._check_in_to_rounds_behind()
                 return result
-            if status is WorkerStatus.FAILED:
+            if tick.look.hung:
+                hung = "hung: its worker held the round up past the hang threshold"
+                self._state.update(last_failure=Failure(reason=hung, at=time.time()))
+            elif status is WorkerStatus.FAILED:
                 self._state.update(last_failure=describe_failure(result.failures))
             if tick.action is Action.GIVE_UP:
                 self._give_up(role, group, tick)
@@ -255,7 +259,16 @@ class DdpjobAgent(LocalElasticAgent):
         """What to do after one look at the workers and at the round."""
         look = Look() if status is WorkerStatus.SUCCEEDED else self._look()
         verdict = Verdict(collateral=False, store_lost=look.store_lost)
-        if status is WorkerStatus.FAILED and look.dropped:
+        if look.hung and status is not WorkerStatus.SUCCEEDED:
+            # The hub found our worker holding the round up while the others waited in its
+            # collective: our failure (charged to us, a hang every time gives up in the end),
+            # though torch still sees it run; the restart's stop kills it.
+            logger.warning(
+                "our worker held round up past the hang threshold (the hub's verdict): "
+                "restarting it, charged to this node"
+            )
+            status = WorkerStatus.FAILED
+        elif status is WorkerStatus.FAILED and look.dropped:
             # A member went silent: whatever our workers did, the group lost a member.
             verdict = Verdict(collateral=True, store_lost=look.store_lost)
         elif status is WorkerStatus.FAILED and not look.store_lost and not self._ledger.disabled:

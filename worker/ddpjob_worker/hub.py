@@ -122,7 +122,12 @@ class Hub:
         self._clock = clock
         self._sessions: dict[NodeIdent, _Session] = {}
         self._watch = HubWatch(
-            self._sessions, send=self._send_to, cut=self._cut, probe=probe, clock=clock
+            self._sessions,
+            send=self._send_to,
+            cut=self._cut,
+            hung=self._hung,
+            probe=probe,
+            clock=clock,
         )
         self._round = 0
         self._forming = True
@@ -322,9 +327,14 @@ class Hub:
         if self._expected is not None:
             self._expected = self._expected - idents
 
-    def _end(self, reasons: frozenset[str], cut: Iterable[NodeIdent]) -> None:
+    def _end(
+        self,
+        reasons: frozenset[str],
+        cut: Iterable[NodeIdent],
+        hung: frozenset[NodeIdent] = frozenset(),
+    ) -> None:
         """The running round is over: tell its members, and form the next one, waiting for
-        its survivors."""
+        its survivors. ``hung``: members whose worker held the round up (they stay)."""
         cut = set(cut)
         if self._forming:
             self._drop_from_forming(cut)
@@ -337,6 +347,8 @@ class Hub:
             "reasons": sorted(reasons),
             "cut": sorted(cut),
         }
+        if hung:
+            over["hung"] = sorted(hung)
         self._broadcast(over, [ident for ident in self._participants if ident not in cut])
         self._round += 1
         self._forming = True
@@ -507,6 +519,14 @@ class Hub:
         else:
             self._watch.tick(list(self._participants), (f"{self.gen}.{self._round}", self._round))
         self._maybe_complete()
+
+    def _hung(self, stuck: frozenset[NodeIdent]) -> None:
+        """The hang verdict: the round is over for everyone, the stuck members named (their
+        agents charge the restart to themselves), nobody cut."""
+        if self._forming:
+            return
+        self._cuts += 1
+        self._end(frozenset({"failure", "hung"}), cut=(), hung=stuck)
 
     def _cut(self, lost: Mapping[NodeIdent, Health]) -> None:
         for ident, verdict in lost.items():

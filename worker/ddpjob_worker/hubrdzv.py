@@ -212,7 +212,12 @@ class HubRendezvousHandler(RendezvousHandler):
                 ", ".join(sorted(ends)),
                 f" without {', '.join(cut)}" if cut else "",
             )
-        return Look(waiting=waiting, ends=ends, dropped=frozenset(map(_as_repr, view.cut)))
+        return Look(
+            waiting=waiting,
+            ends=ends,
+            dropped=frozenset(map(_as_repr, view.cut)),
+            hung=view.hung,
+        )
 
     def announce_end(self, *reasons: str) -> None:
         for reason in reasons:

@@ -59,12 +59,14 @@ class HubWatch:
         *,
         send: Callable[[NodeIdent, Message], None],
         cut: Callable[[Mapping[NodeIdent, Health]], None],
+        hung: Callable[[frozenset[NodeIdent]], None],
         probe: Callable[[str], Health],
         clock: Callable[[], float],
     ) -> None:
         self._peers = peers
         self._send = send
         self._cut = cut
+        self._hung = hung
         self._probe = probe
         self._clock = clock
         self._heard: dict[NodeIdent, float] = {}
@@ -188,8 +190,10 @@ class HubWatch:
         return bool(judgement.cut)
 
     def _hangs(self, members: Iterable[NodeIdent], running: tuple[str, int], now: float) -> None:
-        """Cut the members whose worker holds the round up while most wait in its collective
-        (:mod:`ddpjob_worker.hang`), as if they were silent."""
+        """End the round for the members whose worker holds it up while most wait in its
+        collective (:mod:`ddpjob_worker.hang`). They stay members: their agents answer, and
+        kill the stuck workers as the others stop theirs, so the next round forms once, with
+        them (cut like silent members, they came back half a second later: a second restart)."""
         round_id, number = running
         reports = {
             ident: peer.progress[1]
@@ -210,4 +214,4 @@ class HubWatch:
             threshold,
             ", ".join(sorted(stuck)[:8]),
         )
-        self._cut(dict.fromkeys(stuck, Health.SILENT))
+        self._hung(frozenset(stuck))

@@ -95,6 +95,8 @@ class MemberView:
     """Why our round is over (empty: it runs)."""
     cut: frozenset[NodeIdent] = frozenset()
     """Members cut from our round."""
+    hung: bool = False
+    """Our worker held our round up (the hub's hang verdict): ours to kill, and to charge."""
     waiting: int = 0
     """Newcomers waiting to join (the hub's last word)."""
     hub_lost: Health | None = None
@@ -382,7 +384,9 @@ class Member:
             self._joining = False
             self._round_at = time.monotonic()
             self.history.rounds += 1
-            self._set(round=info, ends=frozenset(), cut=frozenset(), waiting=0, gen=info.gen)
+            self._set(
+                round=info, ends=frozenset(), cut=frozenset(), hung=False, waiting=0, gen=info.gen
+            )
         elif kind == "over":
             self._acked = now
             info = self.view.round
@@ -393,7 +397,12 @@ class Member:
                 return
             if info is not None and message.get("round") == info.round:
                 cut = frozenset(NodeIdent(str(ident)) for ident in message.get("cut", []))
-                self._set(ends=self.view.ends | reasons, cut=self.view.cut | cut)
+                hung = self.ident in {str(ident) for ident in message.get("hung", [])}
+                self._set(
+                    ends=self.view.ends | reasons,
+                    cut=self.view.cut | cut,
+                    hung=self.view.hung or hung,
+                )
         elif kind == "probe":
             loop = asyncio.get_running_loop()
             target = str(message.get("target", ""))

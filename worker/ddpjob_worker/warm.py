@@ -2,12 +2,15 @@
 
 A restart's new workers spend most of their start-up in ``import torch`` (0.8 to 1 s on this
 project's 2-core machine, more on a busy node), and every survivor of a failure, a leave or a
-scale-up pays it again. So once a worker group has run for :data:`WARM_AFTER_SECONDS`, the agent
-starts one spare per local rank: ``python -u -c <import ddpjob_worker.warm ...> <script>``,
-which imports torch and waits on its stdin. When torch's ``SubprocessHandler`` is about to
-``Popen`` a worker, the agent hands a spare the worker's ``argv`` and environment instead
-(:meth:`WarmPool.take`); the spare sets them and runs the script as ``__main__``, as ``python -u
-script`` would. Nothing is handed over unless it would behave like a cold start:
+scale-up pays it again. So as each worker group starts, the agent starts one spare per local
+rank: ``python -u -c <import ddpjob_worker.warm ...> <script>``, which imports torch on a thread
+at the ``SCHED_IDLE`` policy (on cores nothing else wants: the workers' own start-up and
+training never wait for it) and waits on its stdin. A spare not done importing is not handed a
+worker (that worker starts cold; the spare stays for the next restart). When torch's
+``SubprocessHandler`` is about to ``Popen`` a worker, the agent hands a spare the worker's
+``argv`` and environment instead (:meth:`WarmPool.take`); the spare sets them and runs the
+script as ``__main__``, as ``python -u script`` would. Nothing is handed over unless it would
+behave like a cold start:
 
 * the command must be ``<this python> -u <script> ...`` or ``<this python> -u -m <module> ...``
   (torchrun's form); any other interpreter, flag, NUMA wrapper or ``--no-python`` starts cold;
@@ -69,9 +72,11 @@ from ddpjob_worker.memory import Memory, container_memory
 
 logger = logging.getLogger(__name__)
 
-WARM_AFTER_SECONDS = 3.0
-"""How long a worker group runs before the agent starts its spares: the new workers' own start-up
-(``import torch``, the process group, the checkpoint) gets the cores first."""
+WARM_AFTER_SECONDS = 0.0
+"""How long a worker group runs before the agent starts its spares. None: a spare the pool starts
+imports at the ``SCHED_IDLE`` policy (:func:`run`), on cores nothing else wants, so the new
+workers' own start-up (``import torch``, the process group, the checkpoint) and their training
+keep the cores, and a restart a few seconds in finds its spares ready."""
 
 MODULE = "ddpjob_worker.warm"
 
@@ -157,14 +162,21 @@ class Spare:
     """One idle spare process and the environment it started with.
 
     ``ready_fd`` is the read end of a pipe the spare writes one byte to once its imports are
-    done (:attr:`ready`); None: no such pipe, the spare counts as ready at once.
+    done (:attr:`ready`); None: no such pipe, the spare counts as ready at once. ``idle``: it
+    imports at the ``SCHED_IDLE`` policy, and is handed a worker only once ready.
     """
 
     def __init__(
-        self, proc: subprocess.Popen[bytes], env: dict[str, str], ready_fd: int | None = None
+        self,
+        proc: subprocess.Popen[bytes],
+        env: dict[str, str],
+        ready_fd: int | None = None,
+        *,
+        idle: bool = False,
     ) -> None:
         self.proc = proc
         self.env = env
+        self.idle = idle
         self._ready_fd = ready_fd
         self._ready = ready_fd is None
 
@@ -201,9 +213,14 @@ class Spare:
 
 
 def start_spare(
-    label: str = "", *, python: str = sys.executable, preload: Sequence[str] = PRELOAD
+    label: str = "",
+    *,
+    python: str = sys.executable,
+    preload: Sequence[str] = PRELOAD,
+    idle: bool = False,
 ) -> Spare | None:
-    """Start one spare with the current environment, or None (logged) if it cannot start."""
+    """Start one spare with the current environment, or None (logged) if it cannot start.
+    ``idle``: it imports at the ``SCHED_IDLE`` policy (:func:`run`)."""
     env = dict(os.environ)
     try:
         ready_read, ready_write = os.pipe()  # both close-on-exec: only the spare gets its end
@@ -214,6 +231,8 @@ def start_spare(
     passed = [ready_write]
     command = [python, "-u", "-c", BOOT, "--preload", ",".join(preload)]
     command += ["--ready-fd", str(ready_write)]
+    if idle:
+        command += ["--idle", "1"]
     with contextlib.suppress(OSError):  # no stdin of our own: the worker's is /dev/null
         stdin_copy = os.dup(0)  # close-on-exec too; the spare's fd 0 is the handover pipe
         passed.append(stdin_copy)
@@ -236,7 +255,7 @@ def start_spare(
         for fd in passed:
             os.close(fd)
     logger.debug("started warm worker pid %d", proc.pid)
-    return Spare(proc, env, ready_read)
+    return Spare(proc, env, ready_read, idle=idle)
 
 
 def start_early(count: int, spares: list[Spare] | None = None) -> list[Spare]:
@@ -268,12 +287,14 @@ class WarmPool:
         preload: Sequence[str] = PRELOAD,
         after_seconds: float = WARM_AFTER_SECONDS,
         memory: Callable[[], Memory | None] = container_memory,
+        idle: bool = True,
     ) -> None:
         self._slots = slots
         self._label = label
         self._python = python
         self._preload = tuple(preload)
         self._after_seconds = after_seconds
+        self._idle = idle
         self._memory = memory
         self._memory_look = 0.0
         self._short = False
@@ -319,7 +340,9 @@ class WarmPool:
         else:
             self._short = False
         for _ in range(fit):
-            started = start_spare(self._label, python=self._python, preload=self._preload)
+            started = start_spare(
+                self._label, python=self._python, preload=self._preload, idle=self._idle
+            )
             if started is None:
                 self._slots = 0
                 return
@@ -347,7 +370,14 @@ class WarmPool:
         if not self._spares:
             self.cold_starts += 1
             return None
-        spare = self._spares.pop(0)
+        # A spare importing at the idle policy is kept for the next restart: its imports run
+        # only on cores nothing else wants, which a restart's workers do want.
+        spare = next((s for s in self._spares if not s.idle or s.ready), None)
+        if spare is None:
+            logger.info("starting a worker cold: its spare is still importing (at the idle policy)")
+            self.cold_starts += 1
+            return None
+        self._spares.remove(spare)
         argv = parse_command(command, self._python)
         reason = ""
         if redirected:
@@ -418,6 +448,46 @@ def _preload(names: Sequence[str]) -> None:
             __import__(name)
         except BaseException:  # the worker's own import reports it, as in a cold start
             return
+
+
+def _preload_idle(names: Sequence[str]) -> None:
+    """:func:`_preload` at the ``SCHED_IDLE`` policy: this thread alone (and threads it starts),
+    so that the process's main thread, the worker's, keeps the normal policy, which an
+    unprivileged process could not get back (it needs ``CAP_SYS_NICE``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+    _preload(names)
+
+
+def _import(names: Sequence[str], *, idle: bool) -> list[int]:
+    """Preload ``names``, at the idle policy on a thread of its own if ``idle``: the threads left
+    at that policy (:func:`_idle_threads`)."""
+    if not idle:
+        _preload(names)
+        return []
+    importer = threading.Thread(target=_preload_idle, args=(names,), name="preload", daemon=True)
+    importer.start()
+    importer.join()
+    return _idle_threads()
+
+
+def _idle_threads() -> list[int]:
+    """This process's threads left at the ``SCHED_IDLE`` policy once the idle preload is over
+    (threads an import started, which inherit it), each set back to the normal policy where
+    allowed: those that could not be."""
+    left = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/task"):
+            tid = int(name)
+            try:
+                if os.sched_getscheduler(tid) != os.SCHED_IDLE:
+                    continue
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except ProcessLookupError:
+                continue  # it ended
+            except OSError:
+                left.append(tid)
+    return left
 
 
 def _take_stdin(fd: int | None) -> None:
@@ -510,11 +580,17 @@ def run(argv: Sequence[str]) -> None:
     ``__main__``.
 
     ``argv``: ``--preload mod1,mod2``, ``--ready-fd N`` (the pipe :attr:`Spare.ready` reads),
-    ``--stdin-fd N`` (the agent's stdin, the worker's), then, ignored, what the worker will run
-    (for ``ps``).
+    ``--stdin-fd N`` (the agent's stdin, the worker's), ``--idle 1`` (import at the
+    ``SCHED_IDLE`` policy, on a thread of its own), then, ignored, what the worker will run (for
+    ``ps``).
+
+    With ``--idle``, the main thread says ready only once the importing thread has ended: it
+    would otherwise hold the GIL at a priority any busy core starves, and the worker's main
+    thread would wait for it (a priority inversion of over a second with both cores busy).
     """
     options = dict(zip(argv[0::2], argv[1::2], strict=False))
     ready_fd = int(options["--ready-fd"]) if "--ready-fd" in options else None
+    idle = options.get("--idle") == "1"
     stdin_fd = int(options["--stdin-fd"]) if "--stdin-fd" in options else None
     container_score = _oom_score_adj()
     if container_score is not None:
@@ -526,8 +602,9 @@ def run(argv: Sequence[str]) -> None:
         target=lambda: received.append(sys.stdin.buffer.read()), name="handover", daemon=True
     )
     reader.start()
+    names = [name for name in options.get("--preload", "").split(",") if name]
     try:
-        _preload([name for name in options.get("--preload", "").split(",") if name])
+        left = _import(names, idle=idle)
     finally:
         _say_ready(ready_fd)
     reader.join()
@@ -551,6 +628,14 @@ def run(argv: Sequence[str]) -> None:
         print(
             f"ddpjob warm worker: CUDA was initialised in this spare with CUDA_VISIBLE_DEVICES="
             f"{spare_devices!r}; the worker's is {devices!r}: starting it cold",
+            file=sys.stderr,
+            flush=True,
+        )
+        _start_cold(message["command"], os.environ)
+    if left:
+        print(
+            f"ddpjob warm worker: threads {left} started by the imports keep the idle policy "
+            "(setting it back needs CAP_SYS_NICE): starting the worker cold",
             file=sys.stderr,
             flush=True,
         )

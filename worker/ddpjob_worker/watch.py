@@ -112,6 +112,8 @@ class Look:
     """Why our round is over, as its members said (END_FAILURE too once we dropped members)."""
     dropped: frozenset[NodeRepr] = frozenset()
     """Members found silent or gone at this tick: the round re-forms without them."""
+    hung: bool = False
+    """Our worker held the round up (a hang verdict): our failure, though it still runs."""
 
     @property
     def store_lost(self) -> bool:
