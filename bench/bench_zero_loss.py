@@ -19,7 +19,14 @@ Faults: ``worker`` (one worker SIGKILLed), ``pod`` (a pod's agent and worker SIG
 ``freeze`` (a pod SIGSTOPped whole), ``copy`` (a worker SIGKILLed while it writes its
 snapshot: ddpjob only, seen in its progress record), ``two`` (two pods' workers SIGKILLed in
 one step), ``grow`` (a third pod joins a job of two), ``hang`` (a worker deadlocks before its
-backward: ddpjob only, where hang detection cuts it; torchrun would wait for gloo's 30 min).
+backward: ddpjob only, where hang detection ends the round; torchrun would wait for gloo's 30
+min).
+
+The agents keep their warm spare workers, as they do by default (``--cold`` turns them off:
+every restart then imports torch, about 4 s here with three workers on two cores). Their
+spares import at the idle policy from each group's start, which with three pods on two cores
+takes about 5 s: a fault in a job's first seconds finds none ready (in ``ddpjob`` and
+``ddpjob-ckpt`` alike), hence ``--fault-after 30`` (about 8 s in).
 
 ``--background on`` makes ddpjob's workers copy their parameters and optimizer state on the
 snapshot's background thread (the toy model is otherwise small enough to be written whole at
@@ -121,7 +128,7 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
         script = TRAIN
         train = ["--steps", str(steps), "--step-sleep", str(STEP_SLEEP)]
         train += ["--ckpt-every", str(args.ckpt_every)]
-    env = {} if args.warm else {"DDPJOB_WARM_WORKERS": "0"}
+    env = {"DDPJOB_WARM_WORKERS": "0"} if args.cold else {}
     start = 2 if fault == "grow" else 3
     nodes: list[Node] = [
         cluster.start(i, train, stock=mode == "torchrun", env=env, script=script)
@@ -227,15 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--fault", action="append", choices=FAULTS)
     parser.add_argument("--mode", action="append", choices=MODES)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--fault-after", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--fault-after", type=int, default=30)
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--background", choices=("auto", "on", "off"), default="auto")
     parser.add_argument(
-        "--warm",
+        "--cold",
         action="store_true",
-        help="keep the agents' warm spare workers (off by default: 3 agents' spares on 2 cores)",
+        help="turn the agents' warm spare workers off (DDPJOB_WARM_WORKERS=0)",
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tmp", default=os.environ.get("TMPDIR", "/tmp"))

@@ -117,7 +117,9 @@ def idle_spares(node: Node) -> list[int]:
 
 
 def _trains_with_a_spare(node: Node) -> bool:
-    return bool(node.steps()) and len(idle_spares(node)) == 1
+    """Training, with a spare whose imports are done (the agent's state says so: a spare still
+    importing, at the idle policy, is not handed a worker)."""
+    return bool(node.steps()) and len(idle_spares(node)) == 1 and node.state().spares_ready == 1
 
 
 def _resumed_times(node: Node, count: int) -> bool:
