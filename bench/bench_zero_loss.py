@@ -12,6 +12,12 @@ committed before the fault, less the step the job resumed at (a step redone coun
   every ``--ckpt-every`` steps: ddpjob as it was before the training-state API (a baseline).
 * ``torchrun``: stock torchrun running the same, the other baseline.
 
+``ddpjob`` first runs the job once without a fault (the reference), and checks after every run
+that its ranks ended with the same model checksum, and, after the faults that leave the world
+size as it was (``worker``, ``copy``, ``two``, ``hang``), the reference's: no step lost, none
+done twice, none done differently. (After the others the ranks' checksums are compared among
+themselves only: the reference would have to change its world size at the same step.)
+
 For each run it also measures **training again**: the seconds from the fault (for ``hang``,
 from when the worker hung) until a worker started after it commits a step.
 
@@ -24,9 +30,9 @@ min).
 
 The agents keep their warm spare workers, as they do by default (``--cold`` turns them off:
 every restart then imports torch, about 4 s here with three workers on two cores). Their
-spares import at the idle policy from each group's start, which with three pods on two cores
-takes about 5 s: a fault in a job's first seconds finds none ready (in ``ddpjob`` and
-``ddpjob-ckpt`` alike), hence ``--fault-after 30`` (about 8 s in).
+spares start 3 s into each group and import at the idle policy, which with three pods on two
+cores takes a few seconds more: a fault in a job's first seconds finds none ready (in
+``ddpjob`` and ``ddpjob-ckpt`` alike), hence ``--fault-after 40`` (about 9 s in).
 
 ``--background on`` makes ddpjob's workers copy their parameters and optimizer state on the
 snapshot's background thread (the toy model is otherwise small enough to be written whole at
@@ -62,6 +68,9 @@ from tests.harness import TRAIN, Cluster, Node  # noqa: E402
 SNAP = REPO / "tests" / "integration" / "snap_train.py"
 FAULTS = ("worker", "pod", "freeze", "copy", "two", "grow", "hang")
 ONLY_DDPJOB = {"copy", "hang"}
+SAME_WORLD = {"worker", "copy", "two", "hang"}
+"""Faults after which the job trains on at the world size it had: its ranks' final checksums
+must equal a run's without faults (``ddpjob`` runs one first, the reference)."""
 MODES = ("ddpjob", "ddpjob-ckpt", "torchrun")
 STEP_SLEEP = 0.1
 CAP_SECONDS = 240.0
@@ -153,6 +162,8 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
             at = time.monotonic()  # inject returned once the worker hung
         survivors = [n for n in nodes if fault not in ("pod", "freeze") or n.index != 2]
         with contextlib.suppress(TimeoutError):
+            if fault == "none":
+                raise TimeoutError  # nothing to recover from
             wait(
                 "training again",
                 lambda: any(
@@ -176,6 +187,9 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
         result.update(before=before, resume=resume, lost=max(0, before - resume))
         done = [max(committed(mode, n.text()), default=0) for n in survivors]
         result["outcome"] = "ok" if all(d >= steps for d in done) else "unfinished"
+        if mode == "ddpjob":
+            done_sums = {r["sum"] for n in survivors for r in snap_records(n.text(), "done")}
+            result["sums"] = sorted(done_sums)
         return result
     except TimeoutError as exc:
         result["outcome"] = f"timeout: {exc}"
@@ -222,6 +236,8 @@ def inject(
         _kill_workers(nodes[1])
     elif fault == "hang":
         wait("rank 2 hanging", lambda: "SNAP hanging" in nodes[2].text(), CAP_SECONDS)
+    elif fault != "none":
+        raise ValueError(fault)
 
 
 def _kill_workers(node: Node) -> None:
@@ -234,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--fault", action="append", choices=FAULTS)
     parser.add_argument("--mode", action="append", choices=MODES)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--fault-after", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=70)
+    parser.add_argument("--fault-after", type=int, default=40)
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--background", choices=("auto", "on", "off"), default="auto")
@@ -250,21 +266,33 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     results: list[dict[str, Any]] = []
     modes = args.mode or list(MODES)
+    reference: list[str] = []
+    if "ddpjob" in modes and SAME_WORLD & set(args.fault or FAULTS):
+        first = run_once("ddpjob", "none", args, rng)
+        print(json.dumps(first), file=sys.stderr, flush=True)
+        reference = first.get("sums", [])
+        if first.get("outcome") != "ok" or len(reference) != 1:
+            print(f"the reference run without faults failed: {first}", file=sys.stderr)
+            return 1
     for fault in args.fault or FAULTS:
         for run in range(args.runs):
             for mode in modes if run % 2 == 0 else modes[::-1]:
                 if mode != "ddpjob" and fault in ONLY_DDPJOB:
                     continue
                 result = run_once(mode, fault, args, rng)
+                if "sums" in result:
+                    result["same"] = len(result["sums"]) == 1
+                    if fault in SAME_WORLD:
+                        result["as_reference"] = result["sums"] == reference
                 results.append(result)
                 print(json.dumps(result), file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(
         "\n| fault | mode | ok/runs | steps lost, median [worst] | training again s, median "
-        "[worst] | to the job's end s |"
+        "[worst] | to the job's end s | ranks' checksums equal | equal to the run without faults |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for fault in args.fault or FAULTS:
         for mode in modes:
             rows = [r for r in results if (r["fault"], r["mode"]) == (fault, mode)]
@@ -277,8 +305,19 @@ def main(argv: list[str] | None = None) -> int:
             shown = f"{statistics.median(lost):g} [{max(lost)}]" if lost else "-"
             back = f"{statistics.median(again):.2f} [{max(again):.2f}]" if again else "-"
             took = f"{statistics.median(secs):.1f}" if secs else "-"
-            print(f"| {fault} | {mode} | {len(ok)}/{len(rows)} | {shown} | {back} | {took} |")
+            same = _count(ok, "same")
+            as_ref = _count(ok, "as_reference")
+            print(
+                f"| {fault} | {mode} | {len(ok)}/{len(rows)} | {shown} | {back} | {took} "
+                f"| {same} | {as_ref} |"
+            )
     return 0
+
+
+def _count(rows: list[dict[str, Any]], key: str) -> str:
+    """``k/n`` of the rows whose ``key`` is true, of those that have it; ``-``: none has."""
+    have = [r[key] for r in rows if key in r]
+    return f"{sum(have)}/{len(have)}" if have else "-"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ TCP connection four times a second. Both grow with the job. Here:
   closed is probed at its liveness socket; one gone quiet is probed by other members, and one
   of them hearing it keeps it in. 64 members of a node frozen at once are one round change,
   not 64.
+* **A hung worker is not a lost member.** When most ranks wait in a collective that one
+  member's worker never reaches (:mod:`ddpjob_worker.hang`), the round ends for everyone and
+  names that member (``hung``): its agent kills the worker and charges the restart to itself,
+  and, still a member, it is in the next round at once.
 * **Fenced by generation.** Every message carries the hub's generation and round; a member
   of another round is not believed.
 * **Judging nobody after its own stall.** A hub whose loop did not run for a while (frozen,
@@ -84,7 +88,7 @@ class HubView:
     participants: Mapping[NodeIdent, int]
     connected: frozenset[NodeIdent]
     cuts: int
-    """Round changes made for lost members so far."""
+    """Round changes made for lost members, and for hung ones, so far."""
 
 
 class Hub:

@@ -393,7 +393,7 @@ class TrainState:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         # Marked SAVING: the others wait for this rank in the next step's all-reduce meanwhile,
-        # and a write slower than the hang threshold must not get its pod cut as hung.
+        # and a write slower than the hang threshold must not be taken for a hang.
         self._mark(Phase.SAVING)
         try:
             with saving():

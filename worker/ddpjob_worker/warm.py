@@ -2,15 +2,15 @@
 
 A restart's new workers spend most of their start-up in ``import torch`` (0.8 to 1 s on this
 project's 2-core machine, more on a busy node), and every survivor of a failure, a leave or a
-scale-up pays it again. So as each worker group starts, the agent starts one spare per local
-rank: ``python -u -c <import ddpjob_worker.warm ...> <script>``, which imports torch on a thread
-at the ``SCHED_IDLE`` policy (on cores nothing else wants: the workers' own start-up and
-training never wait for it) and waits on its stdin. A spare not done importing is not handed a
-worker (that worker starts cold; the spare stays for the next restart). When torch's
-``SubprocessHandler`` is about to ``Popen`` a worker, the agent hands a spare the worker's
-``argv`` and environment instead (:meth:`WarmPool.take`); the spare sets them and runs the
-script as ``__main__``, as ``python -u script`` would. Nothing is handed over unless it would
-behave like a cold start:
+scale-up pays it again. So once a worker group has run for :data:`WARM_AFTER_SECONDS`, the agent
+starts one spare per local rank: ``python -u -c <import ddpjob_worker.warm ...> <script>``, which
+imports torch on a thread at the ``SCHED_IDLE`` policy (on cores nothing else wants: the workers'
+own start-up and training never wait for it) and waits on its stdin. A spare not done importing is
+not handed a worker (that worker starts cold; the spare stays for the next restart). When torch's
+``SubprocessHandler`` is about to ``Popen`` a worker, the agent hands a spare the worker's ``argv``
+and environment instead (:meth:`WarmPool.take`); the spare sets them and runs the script as
+``__main__``, as ``python -u script`` would. Nothing is handed over unless it would behave like a
+cold start:
 
 * the command must be ``<this python> -u <script> ...`` or ``<this python> -u -m <module> ...``
   (torchrun's form); any other interpreter, flag, NUMA wrapper or ``--no-python`` starts cold;
@@ -72,11 +72,13 @@ from ddpjob_worker.memory import Memory, container_memory
 
 logger = logging.getLogger(__name__)
 
-WARM_AFTER_SECONDS = 0.0
-"""How long a worker group runs before the agent starts its spares. None: a spare the pool starts
+WARM_AFTER_SECONDS = 3.0
+"""How long a worker group runs before the agent starts its spares. A spare the pool starts
 imports at the ``SCHED_IDLE`` policy (:func:`run`), on cores nothing else wants, so the new
-workers' own start-up (``import torch``, the process group, the checkpoint) and their training
-keep the cores, and a restart a few seconds in finds its spares ready."""
+workers' own start-up and their training keep the cores whenever it starts; started at the
+group's start, though, it made a member's hub connection close under it about 3 s in, in
+about half the runs of ``test_a_pod_killed_whole_is_found_dead_by_its_peers_at_once`` (not
+found: no Python ``os.close`` of a socket; see the 2026-11-29 notes), so it waits as before."""
 
 MODULE = "ddpjob_worker.warm"
 
