@@ -32,7 +32,9 @@ The agents keep their warm spare workers, as they do by default (``--cold`` turn
 every restart then imports torch, about 4 s here with three workers on two cores). Their
 spares start 3 s into each group and import at the idle policy, which with three pods on two
 cores takes a few seconds more: a fault in a job's first seconds finds none ready (in
-``ddpjob`` and ``ddpjob-ckpt`` alike), hence ``--fault-after 40`` (about 9 s in).
+``ddpjob`` and ``ddpjob-ckpt`` alike), hence ``--fault-after 40`` (about 9 s in). The fault
+comes after step ``--fault-after`` plus a random 0 to ``--ckpt-every`` - 1 steps, so that the
+baselines' checkpoints are as old as they would be at a random time.
 
 ``--background on`` makes ddpjob's workers copy their parameters and optimizer state on the
 snapshot's background thread (the toy model is otherwise small enough to be written whole at
@@ -125,13 +127,16 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
     root = Path(tempfile.mkdtemp(prefix=f"zero-{mode}-{fault}-", dir=args.tmp))
     cluster = Cluster(root, min_nodes=2, max_nodes=3)
     steps = args.steps
+    # A step at random among the checkpoint interval's: right after a checkpoint the baselines
+    # would lose nothing, right before it they lose the whole interval.
+    after = args.fault_after + rng.randrange(args.ckpt_every)
     if mode == "ddpjob":
         script, train = SNAP, ["--steps", str(steps), "--step-sleep", str(STEP_SLEEP)]
         train += ["--background", args.background]
         if fault == "copy":
             train += ["--ballast-mb", "32"]  # a copy long enough to be caught in
         if fault == "hang":
-            train += ["--hang-at", str(args.fault_after + 2), "--hang-rank", "2"]
+            train += ["--hang-at", str(after + 2), "--hang-rank", "2"]
             train += ["--hang-marker", str(root / "hung-once")]
     else:  # ddpjob-ckpt, torchrun
         script = TRAIN
@@ -147,9 +152,7 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
     try:
         wait(
             "every rank past the fault step",
-            lambda: all(
-                max(committed(mode, n.text()), default=0) >= args.fault_after for n in nodes
-            ),
+            lambda: all(max(committed(mode, n.text()), default=0) >= after for n in nodes),
             CAP_SECONDS,
         )
         if fault != "hang":
