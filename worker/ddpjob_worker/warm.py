@@ -124,6 +124,8 @@ RESERVE_FRACTION = 0.1
 """Of the container's memory limit, what spares must leave free for the workers to grow into."""
 MEMORY_LOOK_SECONDS = 30.0
 """How often a pool short of memory looks again."""
+EXIT_WAIT_SECONDS = 2.0
+"""How long a spare waits for its importing thread, at the idle policy, to finish dying."""
 IDLE_OOM_SCORE_ADJ = "1000"
 """An idle spare's ``oom_score_adj``: the OOM killer's first choice, never a worker (a spare may
 raise its own; at the handover it lowers it back to what it started with)."""
@@ -470,6 +472,13 @@ def _import(names: Sequence[str], *, idle: bool) -> list[int]:
     importer = threading.Thread(target=_preload_idle, args=(names,), name="preload", daemon=True)
     importer.start()
     importer.join()
+    # join() returns before the thread has left the kernel, and a thread at the idle policy on
+    # busy cores can take a while to finish dying: wait for it (a bounded while; it holds
+    # nothing by then), so that the worker never starts with it still listed.
+    task = f"/proc/self/task/{importer.native_id}"
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.005)
     return _idle_threads()
 
 
