@@ -259,7 +259,7 @@ class DdpjobAgent(LocalElasticAgent):
         """What to do after one look at the workers and at the round."""
         look = Look() if status is WorkerStatus.SUCCEEDED else self._look()
         verdict = Verdict(collateral=False, store_lost=look.store_lost)
-        if look.hung and status is not WorkerStatus.SUCCEEDED:
+        if look.hung:
             # The hub found our worker holding the round up while the others waited in its
             # collective: our failure (charged to us, a hang every time gives up in the end),
             # though torch still sees it run; the restart's stop kills it.

@@ -45,9 +45,6 @@ END_JOIN = "join"
 """A node waits to join: the group is intact, the round only grows."""
 END_HANDOVER = "handover"
 """The store's host leaves on SIGTERM: the others carry on around a new host at once."""
-END_HUNG = "hung"
-"""A member's worker holds the round up (the hub's hang verdict, :mod:`ddpjob_worker.hang`): the
-group is broken; that member is named in the end's ``hung`` and kills its worker."""
 END_DROPPED = "dropped"
 """We are no longer a participant of our round (read from the state, not announced): our
 heartbeats lapsed (a store that stalled, for one, as torch's store server does while it looks

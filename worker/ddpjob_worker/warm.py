@@ -371,14 +371,12 @@ class WarmPool:
         self, command: Sequence[str], env: Mapping[str, str], *, redirected: bool
     ) -> subprocess.Popen[bytes] | None:
         """Hand a spare ``command`` with ``env``, or None (start cold) with the reason logged."""
-        if not self._spares:
-            self.cold_starts += 1
-            return None
         # A spare importing at the idle policy is kept for the next restart: its imports run
         # only on cores nothing else wants, which a restart's workers do want.
         spare = next((s for s in self._spares if not s.idle or s.ready), None)
         if spare is None:
-            logger.info("starting a worker cold: its spare is still importing (at the idle policy)")
+            if self._spares:
+                logger.info("starting a worker cold: its spare is still importing (idle policy)")
             self.cold_starts += 1
             return None
         self._spares.remove(spare)
