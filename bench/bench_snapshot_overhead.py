@@ -63,6 +63,9 @@ def _stat(state: TrainState, name: str) -> float:
     return float(getattr(state, name, 0.0))
 
 
+MODES = ("plain", "nosnap", "every", "auto")
+
+
 def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     net = MODELS[name]()
@@ -70,18 +73,22 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.randn(batch, width(net))
     samples = batch * (steps + 2 * block + 4)
-    state = TrainState(
-        model=model,
-        optimizer=opt,
-        sampler=ElasticSampler(samples, batch_size=batch, seed=0),
-        path=shm / f"{name}.snap",
-    )
-    bare = TrainState(
-        model=model,
-        optimizer=opt,
-        sampler=ElasticSampler(samples, batch_size=batch, seed=0),
-        snapshots=False,
-    )
+
+    def make(**kwargs: Any) -> TrainState:
+        return TrainState(
+            model=model,
+            optimizer=opt,
+            sampler=ElasticSampler(samples, batch_size=batch, seed=0),
+            **kwargs,
+        )
+
+    # All share the model and optimizer: each block goes on from where the last one left them.
+    states = {
+        "nosnap": make(snapshots=False),
+        "every": make(path=shm / f"{name}.every.snap", snapshot_every=1),
+        "auto": make(path=shm / f"{name}.auto.snap"),
+    }
+    loops = {mode: state.batches() for mode, state in states.items()}
 
     def one_step() -> None:
         loss = model(data).pow(2).mean()
@@ -91,66 +98,56 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
 
     def settle() -> None:
         # Between blocks, outside the timings: a background copy still running belongs to
-        # the snapshotted block, not to the next block's first step.
-        flush = getattr(state, "flush", None)
-        if flush is not None:
-            flush()
+        # the block that started it, not to the next block's first step.
+        for state in states.values():
+            state.flush()
 
-    times: dict[str, list[float]] = {"plain": [], "nosnap": [], "snap": []}
-    snapshot_s: list[float] = []
-    background_s: list[float] = []
-    wait_s: list[float] = []
-    batches = state.batches()
-    bare_batches = bare.batches()
-    one_step()  # warm every path up: allocations, AdamW's state, the snapshot file
-    next(bare_batches)
-    with bare.step():
-        one_step()
-    next(batches)
-    with state.step():
-        one_step()
-    settle()
-    while len(times["snap"]) < steps:
-        for _ in range(block):
-            started = time.perf_counter()
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    written: dict[str, list[float]] = {"every": [], "auto": []}
+    background: dict[str, list[float]] = {"every": [], "auto": []}
+    one_step()  # warm every path up: allocations, AdamW's state, the snapshot files
+    for mode, state in states.items():
+        next(loops[mode])
+        with state.step():
             one_step()
-            times["plain"].append(time.perf_counter() - started)
-        for _ in range(block):
-            started = time.perf_counter()
-            next(bare_batches)
-            with bare.step():
-                one_step()
-            times["nosnap"].append(time.perf_counter() - started)
-        for _ in range(block):
-            started = time.perf_counter()
-            next(batches)
-            with state.step():
-                one_step()
-            times["snap"].append(time.perf_counter() - started)
-            snapshot_s.append(state.snapshot_seconds)
-            background_s.append(_stat(state, "background_seconds"))
-            wait_s.append(_stat(state, "wait_seconds"))
-        settle()
+    settle()
+    while len(times["auto"]) < steps:
+        for mode in MODES:
+            state = states.get(mode)
+            for _ in range(block):
+                count = 0 if state is None else state.snapshots_written
+                started = time.perf_counter()
+                if state is None:
+                    one_step()
+                else:
+                    next(loops[mode])
+                    with state.step():
+                        one_step()
+                times[mode].append(time.perf_counter() - started)
+                if state is not None and mode in written and state.snapshots_written > count:
+                    written[mode].append(state.snapshot_seconds)
+                    background[mode].append(state.background_seconds)
+            settle()
     params = sum(p.numel() for p in net.parameters())
-    size = (shm / f"{name}.snap").stat().st_size
-    plain, nosnap, snap = (statistics.median(times[k]) for k in ("plain", "nosnap", "snap"))
+    # Means, not medians: a snapshot every few steps shows in the mean only.
+    mean = {mode: statistics.fmean(times[mode]) for mode in MODES}
+    auto = states["auto"]
     return {
         "model": name,
         "params": params,
         "batch": batch,
         "threads": torch.get_num_threads(),
-        "steps": len(times["snap"]),
-        "plain_step_s": plain,
-        "nosnap_step_s": nosnap,
-        "snapshot_step_s": snap,
-        "ratio": snap / plain,
-        "ratio_nosnap": snap / nosnap,
-        "overhead_pct": 100 * (snap - plain) / plain,
-        "overhead_nosnap_pct": 100 * (snap - nosnap) / nosnap,
-        "snapshot_s": statistics.median(snapshot_s),
-        "background_s": statistics.median(background_s),
-        "wait_s": statistics.median(wait_s),
-        "snapshot_file_bytes": size,
+        "steps": len(times["auto"]),
+        **{f"{mode}_step_s": mean[mode] for mode in MODES},
+        "every_vs_plain": mean["every"] / mean["plain"],
+        "auto_vs_plain": mean["auto"] / mean["plain"],
+        "auto_vs_nosnap": mean["auto"] / mean["nosnap"],
+        "auto_vs_every": mean["auto"] / mean["every"],
+        "auto_interval": auto.snapshot_interval,
+        "auto_snapshots": len(written["auto"]),
+        "snapshot_s": statistics.median(written["every"] or [0.0]),
+        "background_s": statistics.median(background["every"] or [0.0]),
+        "snapshot_file_bytes": (shm / f"{name}.every.snap").stat().st_size,
     }
 
 
@@ -158,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", action="append", choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=40, help="steps of each kind, per model")
-    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument(
+        "--block", type=int, default=20, help="steps of one kind in a row (the modes alternate)"
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the training")
     parser.add_argument("--json", type=Path)
@@ -178,18 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     dist.destroy_process_group()
     print()
     print(
-        "| model | params | batch | threads | plain | no snapshots | snapshots "
-        "| vs plain | vs no snapshots | snapshot | background | wait | file |"
+        "| model | params | threads | plain | no snapshots | every step | auto (interval) "
+        "| every step vs plain | **auto vs plain** | auto vs no snapshots | snapshot at the "
+        "commit | in the background | file |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms = {k: r[k] * 1000 for k in r if k.endswith("_s")}
         print(
-            f"| {r['model']} | {r['params']:,} | {r['batch']} | {r['threads']} "
-            f"| {ms['plain_step_s']:.2f} ms | {ms['nosnap_step_s']:.2f} ms "
-            f"| {ms['snapshot_step_s']:.2f} ms | {r['ratio']:.3f}x | {r['ratio_nosnap']:.3f}x "
-            f"| {ms['snapshot_s']:.2f} ms | {ms['background_s']:.2f} ms | {ms['wait_s']:.2f} ms "
-            f"| {r['snapshot_file_bytes'] / 2**20:.0f} MiB |"
+            f"| {r['model']} | {r['params']:,} | {r['threads']} "
+            f"| {ms['plain_step_s']:.3f} ms | {ms['nosnap_step_s']:.3f} ms "
+            f"| {ms['every_step_s']:.3f} ms | {ms['auto_step_s']:.3f} ms "
+            f"({r['auto_interval']}) | {r['every_vs_plain']:.3f}x | **{r['auto_vs_plain']:.3f}x** "
+            f"| {r['auto_vs_nosnap']:.3f}x | {ms['snapshot_s']:.2f} ms "
+            f"| {ms['background_s']:.2f} ms | {r['snapshot_file_bytes'] / 2**20:.0f} MiB |"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -48,6 +48,7 @@ def make(path: Path, *, numel: int = 1 << 16, background: bool | None = True) ->
         sampler=ElasticSampler(1000, batch_size=1, shuffle=False),
         path=path,
         background=background,
+        snapshot_every=1,
     )
 
 

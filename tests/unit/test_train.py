@@ -68,7 +68,11 @@ def test_bad_sampler_arguments_are_named() -> None:
 
 
 def make_state(
-    path: Path | None, *, extra: dict[str, int] | None = None, checkpoint: Path | None = None
+    path: Path | None,
+    *,
+    extra: dict[str, int] | None = None,
+    checkpoint: Path | None = None,
+    every: int | None = 1,
 ) -> TrainState:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -83,6 +87,7 @@ def make_state(
         path=path,
         snapshots=path is not None,
         checkpoint=checkpoint,
+        snapshot_every=every,
     )
 
 

@@ -455,12 +455,16 @@ class DdpjobAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         """Stop workers for a restart: SIGTERM, then SIGKILL after :attr:`Restart.stop_seconds`
-        (torch waits 30 s here); first let a checkpoint being written finish, after it wait for
-        them to be gone. A pod's graceful stop (SIGTERM to the agent) still gets the full grace
-        period: torch's ``run()`` calls ``_shutdown`` with it directly."""
-        workers.wait_saves(workers.processes(self._pcontext), self._settings.grace_seconds)
-        # torch types the timeout int, but only adds it to a deadline: a fraction is kept.
-        self._shutdown(timeout=self._restart.stop_seconds)  # type: ignore[arg-type]
+        (torch waits 30 s here), or once a worker writing its committed step at the stop is done
+        (up to the grace period); first let a checkpoint being written finish, after it wait
+        for them to be gone. A pod's graceful stop (SIGTERM to the agent) still gets the full
+        grace period: torch's ``run()`` calls ``_shutdown`` with it directly."""
+        procs = workers.processes(self._pcontext)
+        grace = self._settings.grace_seconds
+        workers.wait_saves(procs, grace)
+        workers.terminate(procs, self._restart.stop_seconds, grace)
+        # torch's own close: it signals again, kills what is left, closes the logs.
+        self._shutdown(timeout=0)
         workers.wait_gone(workers.processes(self._pcontext), REAP_SECONDS)
 
     # -- leaving ---------------------------------------------------------------------------------

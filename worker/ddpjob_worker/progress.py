@@ -4,10 +4,11 @@ worker is in and since when, in a 32-byte shared-memory record per local rank. N
 Issue 36's hang detection starts here. The worker (the training-state API,
 :mod:`ddpjob_worker.train`) marks each change of phase: ``COMPUTE`` when a step's batch is
 handed out, ``COLLECTIVE`` when the step's gradients go to the all-reduce (DDP's
-communication hook), ``COMMIT`` while the step's snapshot is written, ``IDLE`` outside steps
-(the restore, the end). A mark is one ``struct.pack_into`` into an mmap, under a sequence
-number that is odd while the record is written (a seqlock, as the snapshot slots have), so a
-reader in another process never takes a torn record. The agent reads each local rank's record
+communication hook), ``COMMIT`` when it is done (``SNAPSHOT`` instead while a snapshot of it
+is written), ``IDLE`` outside steps (the restore, the end). A mark is one
+``struct.pack_into`` into an mmap, under a sequence number that is odd while the record is
+written (a seqlock, as the snapshot slots have), so a reader in another process never takes a
+torn record. The agent reads each local rank's record
 with two ``pread`` calls (the record, then its sequence again), and the store host's hub
 decides with :mod:`ddpjob_worker.hang`, from every rank's record, which one holds the others up.
 
@@ -41,10 +42,13 @@ class Phase(enum.IntEnum):
     COLLECTIVE = 2
     """Waiting in the step's all-reduce (the other ranks hold it up, or it runs)."""
     COMMIT = 3
-    """The step is done; its snapshot is being written."""
+    """The step is done (committed)."""
     SAVING = 4
     """Writing a checkpoint to disk (:meth:`ddpjob_worker.train.TrainState.save_checkpoint`):
     as long as the storage takes, never a hang (the agent lets a write finish)."""
+    SNAPSHOT = 5
+    """The step is done and its snapshot is being written (:mod:`ddpjob_worker.cadence`:
+    not every step's)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,37 @@ def marker(pid: int, directory: str | None = None) -> Path | None:
 
 
 @contextlib.contextmanager
+def marked() -> Iterator[None]:
+    """Only the first half of :func:`saving`: ddpjob-agent waits for the block to end (up to its
+    grace period) before it stops this worker; signals are left alone, so any thread may use
+    it (the snapshot a stopped worker writes: :mod:`ddpjob_worker.onstop`). Nests, across
+    threads too: the outermost block makes and removes the marker."""
+    path = marker(os.getpid())
+    if path is None:
+        yield
+        return
+    with _LOCK:
+        first = _DEPTH[0] == 0
+        _DEPTH[0] += 1
+        if first:
+            with contextlib.suppress(OSError):
+                path.touch()
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH[0] -= 1
+            if _DEPTH[0] == 0:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+_LOCK = threading.Lock()
+_DEPTH = [0]
+"""How many :func:`marked` blocks are open in this process."""
+
+
+@contextlib.contextmanager
 def saving() -> Iterator[None]:
     """Hold off ddpjob-agent's stop and SIGTERM while the block writes a checkpoint (see the
     module doc). Nests; use it on the thread that handles signals (the main one) to hold
@@ -46,19 +77,12 @@ def saving() -> Iterator[None]:
     def hold(signum: int, frame: FrameType | None) -> None:
         held.append(signum)
 
-    path = marker(os.getpid())
-    outer = path is not None and path.exists()
     if main:
         signal.signal(signal.SIGTERM, hold)
     try:
-        if path is not None and not outer:
-            with contextlib.suppress(OSError):
-                path.touch()
-        yield
+        with marked():
+            yield
     finally:
-        if path is not None and not outer:
-            with contextlib.suppress(OSError):
-                path.unlink()
         if main:
             signal.signal(signal.SIGTERM, previous)
             if held:

@@ -47,7 +47,6 @@ Only the worker side imports this module (it imports torch); the agent never doe
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -56,6 +55,7 @@ import io
 import logging
 import os
 import random
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -65,7 +65,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ddpjob_worker import flat, progress, snapdir, snapwriter
+from ddpjob_worker import cadence, flat, onstop, progress, snapdir, snapwriter
 from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
 from ddpjob_worker.hang import StepTimes
 from ddpjob_worker.progress import Phase
@@ -87,6 +87,12 @@ __all__ = [
 logger = logging.getLogger("ddpjob_worker.train")
 
 PAYLOAD_VERSION = 1
+
+STOP_WAIT_FLOOR_SECONDS = 0.5
+STOP_WAIT_MAX_SECONDS = 10.0
+"""A worker stopped between ``optimizer.step`` and the commit waits this long at most (three
+step times, at least the floor) for the commit before it writes the committed step (the one
+before is all it could write: the parameters are half-way to the next)."""
 
 
 class Stateful(Protocol):
@@ -193,8 +199,40 @@ class Restored:
     """It came from the checkpoint on disk (no rank held a snapshot)."""
 
 
+@dataclasses.dataclass
+class _Held:
+    """What a commit that wrote no snapshot keeps for a snapshot written later at a stop:
+    what the next step changes before its ``optimizer.step`` (the parameters and the
+    optimizer's state are still the commit's until then)."""
+
+    step: int
+    torch_rng: torch.Tensor
+    extra: dict[str, Any]
+    buffers: list[torch.Tensor]
+
+
+class _Step:
+    """:meth:`TrainState.step`'s block: a class, not a generator, as it runs once a step (a
+    ``contextlib.contextmanager`` costs a generator and two more calls each time)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: TrainState) -> None:
+        self._state = state
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:
+            self._state._commit()
+        else:
+            self._state._failed()
+
+
 class TrainState:
-    """A DDP script's state, snapshotted after every committed step (see the module doc)."""
+    """A DDP script's state, snapshotted after committed steps and at a stop (see the module
+    doc)."""
 
     def __init__(
         self,
@@ -209,6 +247,7 @@ class TrainState:
         snapshots: bool = True,
         checkpoint: Path | str | None = None,
         background: bool | None = None,
+        snapshot_every: int | None = None,
     ) -> None:
         """``path``: the snapshot file (default: :func:`snapshot_path`); ``snapshots=False``
         keeps nothing (the loop and the sampler still work). ``checkpoint``: the file on disk
@@ -216,7 +255,11 @@ class TrainState:
         a snapshot (the same path on every rank; rank 0's copy is the one read).
         ``background``: copy the parameters and the optimizer's state on a background thread
         that overlaps the next step (True), never (False: every snapshot whole at the commit),
-        or from :data:`ddpjob_worker.snapwriter.BACKGROUND_FROM` bytes of state (None)."""
+        or from :data:`ddpjob_worker.snapwriter.BACKGROUND_FROM` bytes of state (None).
+        ``snapshot_every``: a snapshot every this many committed steps; None (the default)
+        learns the interval that keeps them at about 1 % of the step time
+        (:mod:`ddpjob_worker.cadence`). Either way a worker that is stopped, or whose step
+        fails, writes the step it has committed first (see the module doc)."""
         self.model = model
         self.optimizer = optimizer
         self.sampler = sampler
@@ -227,6 +270,8 @@ class TrainState:
         self.step_no = 0
         """The committed step."""
         self.restored: Restored | None = None
+        self.snapshots_written = 0
+        """Snapshots this process has written (periodic and at stops)."""
         self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self._path: Path | None = path if path is not None else snapshot_path(os.environ)
         if not snapshots:
@@ -238,12 +283,34 @@ class TrainState:
             # last commit's snapshot: its next step must not change them before that ends.
             optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._pending: int | None = None
+        self._cadence = cadence.Cadence(snapshot_every)
+        self._cond = threading.Condition()
+        """Guards what a stop's snapshot and the training thread share: the four below,
+        ``step_no`` and the sampler's position."""
+        self._dirty = True
+        """The parameters or the optimizer's state may differ from the committed step's:
+        ``optimizer.step`` has begun since the last commit, or the restore has not run."""
+        self._writing = False
+        """The training thread is writing a commit's snapshot."""
+        self._stopping = False
+        """A stop's snapshot is being written."""
+        self._broken = False
+        """The step failed after ``optimizer.step``: no commit is coming."""
+        self._snapped = -1
+        """The step of the newest snapshot this rank's file holds (-1: none known)."""
+        self._held: _Held | None = None
+        self._buffers: list[torch.Tensor] | None = None
+        self._committed_at: float | None = None
+        self._step_block = _Step(self)
         self._progress = _progress_writer(os.environ)
         self._step_times = StepTimes()
         self._collective = False
         """This step's gradients went to the all-reduce (the hook marked it)."""
         if self._progress is not None:
             _watch_collective(model, self._entered_collective)
+        self._onstop: onstop.OnStop | None = None
+        if self._writer is not None and _under_launcher(os.environ):
+            self._onstop = onstop.install(self._at_stop, self._past_optimizer_step)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -253,8 +320,8 @@ class TrainState:
         if self.restored is None:
             self._mark(Phase.IDLE)
             self.restore()
+        rank, world = _rank_world()  # a process's world does not change: a restart is a new one
         while True:
-            rank, world = _rank_world()
             batch = self.sampler.next_batch(rank, world)
             if batch is None:
                 self._mark(Phase.IDLE)
@@ -266,20 +333,58 @@ class TrainState:
                 self._writer.waited = 0.0
             yield batch.indices
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Commit the step on a clean exit of the block: advance the sampler by the batch
-        :meth:`batches` yielded, count the step, write the snapshot. An exception commits
-        nothing."""
-        yield
-        self._mark(Phase.COMMIT)
-        if self._pending is not None:
-            self.sampler.advance(self._pending)
-            self._pending = None
-        self.step_no += 1
-        self.snapshot()
+    def step(self) -> _Step:
+        """A context manager that commits the step on a clean exit of the block: advance the
+        sampler by the batch :meth:`batches` yielded, count the step, write the snapshot when
+        one is due. An exception commits nothing, and writes the committed step's snapshot if
+        the newest is older (a peer died under the all-reduce, most likely: the restart needs
+        this rank's committed step)."""
+        return self._step_block
+
+    def _failed(self) -> None:
+        self.save_at_stop(0.0, "its step failed")
+
+    def _commit(self) -> None:
+        now = time.perf_counter()
+        with self._cond:
+            if self._pending is not None:
+                self.sampler.advance(self._pending)
+                self._pending = None
+            self.step_no += 1
+            self._dirty = False
+            self._cond.notify_all()
+            if self._stopping:  # a stop's snapshot writes this step: wait for it
+                while self._stopping:
+                    self._cond.wait()
+                return
+            due = self._writer is not None and self._cadence.due(self.step_no)
+            self._writing = due
+        if self._committed_at is not None:
+            self._cadence.stepped(now - self._committed_at)
+        if due:
+            self._mark(Phase.SNAPSHOT)
+            try:
+                self.snapshot()
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+            self._cadence.wrote(self.step_no, self.snapshot_seconds)
+        else:
+            self._mark(Phase.COMMIT)
+            if self._writer is not None:
+                self._hold()
+        self._committed_at = time.perf_counter()
+        if self._onstop is not None and self._onstop.pending is not None:
+            self._onstop.release()  # the script's SIGTERM handler, held while the step ran
 
     # -- the snapshot's timings and waits ----------------------------------------------------
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Committed steps from one periodic snapshot to the next, as of now
+        (``snapshot_every``, or what :mod:`ddpjob_worker.cadence` learned)."""
+        return self._cadence.interval
 
     @property
     def snapshot_seconds(self) -> float:
@@ -306,8 +411,118 @@ class TrainState:
             self._writer.flush()
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        with self._cond:
+            while self._stopping:  # a stop's snapshot reads the parameters now
+                self._cond.wait()
+            self._dirty = True
         if self._writer is not None:
             self._writer.wait_copied()
+
+    # -- a stop's snapshot ----------------------------------------------------------------------
+
+    def _hold(self) -> None:
+        """Keep what the next step changes before its ``optimizer.step`` (:class:`_Held`): the
+        torch RNG state, ``extra``'s entries, the model's buffers (copied into tensors kept
+        for it: one ``_foreach_copy_``)."""
+        if self._buffers is None:
+            self._buffers = [b for b in self.model.buffers() if not b.is_meta]
+        held = self._held
+        if held is None or len(held.buffers) != len(self._buffers):
+            copies = [b.detach().clone() for b in self._buffers]
+        else:
+            copies = held.buffers
+            if copies:
+                torch._foreach_copy_(copies, self._buffers)
+        self._held = _Held(self.step_no, torch.get_rng_state(), dict(self.extra), copies)
+
+    def _past_optimizer_step(self) -> bool:
+        """A step is between its ``optimizer.step`` and its commit."""
+        return self._dirty and self.restored is not None
+
+    def _at_stop(self) -> None:
+        """SIGTERM (:mod:`ddpjob_worker.onstop`'s thread): write the committed step."""
+        typical = self._cadence.typical() or 0.0
+        wait = min(STOP_WAIT_MAX_SECONDS, max(STOP_WAIT_FLOOR_SECONDS, 3 * typical))
+        self.save_at_stop(wait, "stopped (SIGTERM)")
+
+    def save_at_stop(self, wait: float, why: str) -> bool:
+        """Write the committed step's snapshot if this rank's newest is older (see the module
+        doc). Waits up to ``wait`` seconds for a step that is past its ``optimizer.step`` to
+        commit (the stop's thread); the training thread, whose step failed, cannot wait for
+        itself (0). Any thread. Whether it wrote one."""
+        if self._writer is None:
+            return False
+        with self._cond:
+            while self._stopping:  # the other thread writes it
+                self._cond.wait()
+            if threading.current_thread() is threading.main_thread() and self._dirty:
+                self._broken = True  # the step failed after optimizer.step: no commit comes
+                self._cond.notify_all()
+            self._stopping = True
+            deadline = time.monotonic() + wait
+            while (self._dirty or self._writing) and not self._broken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            clean = not self._dirty and not self._writing
+            step = self.step_no
+        try:
+            if not clean:
+                logger.warning(
+                    "%s at step %d past its optimizer.step: its snapshot holds step %d, the "
+                    "newest written",
+                    why,
+                    step,
+                    self._snapped,
+                )
+                return False
+            return self._write_held(step, why)
+        finally:
+            with self._cond:
+                self._stopping = False
+                self._broken = False
+                self._cond.notify_all()
+
+    def _write_held(self, step: int, why: str) -> bool:
+        """Write the committed ``step`` now, whole: the parameters and the optimizer's state as
+        they are (unchanged since the commit), the rest as the commit held it."""
+        assert self._writer is not None
+        try:
+            self._writer.flush()  # the periodic snapshot's background copy first
+        except SnapshotError as exc:
+            logger.warning("%s", exc)
+            self._snapped = -1
+        if step <= self._snapped:
+            return False
+        started = time.perf_counter()
+        state = self.state_dict()
+        held = self._held
+        if held is not None and held.step == step:
+            state["rng"]["torch"] = held.torch_rng
+            state["extra"] = held.extra
+            if held.buffers:
+                kept = {
+                    live.data_ptr(): copy
+                    for live, copy in zip(self._buffers or [], held.buffers, strict=True)
+                }
+                model = state["model"]
+                for key, value in model.items():
+                    if isinstance(value, torch.Tensor) and value.data_ptr() in kept:
+                        model[key] = kept[value.data_ptr()]
+        if not self._writer.write(step, self.generation, state, set):
+            return False
+        self._writer.flush()
+        self._snapped = step
+        self.snapshots_written += 1
+        logger.info(
+            "rank %d: %s: wrote the snapshot of step %d (%.0f ms)",
+            _rank_world()[0],
+            why,
+            step,
+            (time.perf_counter() - started) * 1000,
+        )
+        return True
 
     def _deferrable(self) -> set[int]:
         return snapwriter.pointers(self.model, self.optimizer)
@@ -474,6 +689,9 @@ class TrainState:
         ):
             self._writer = None  # no file could be made: no snapshots (a warning said why)
             self._path = None
+            return
+        self._snapped = self.step_no
+        self.snapshots_written += 1
 
     def _local(self) -> Snapshot | None:
         """This rank's own newest snapshot, if it has one."""
@@ -524,6 +742,13 @@ class TrainState:
                 len(payload),
             )
         self._check_same_model(rank, world)
+        with self._cond:
+            self._dirty = False
+            # A rank that received the step holds no snapshot of it: a stop writes it.
+            self._snapped = (
+                self.restored.step if self.restored.local and not (self.restored.checkpoint) else -1
+            )
+        self._committed_at = None
         return self.restored
 
     def _check_same_model(self, rank: int, world: int) -> None:
@@ -575,6 +800,13 @@ def _watch_collective(model: torch.nn.Module, entered: Callable[[], None]) -> No
         model.register_comm_hook(None, hook)
     except RuntimeError as exc:
         logger.warning("hang detection does not see this model's all-reduce: %s", exc)
+
+
+def _under_launcher(env: dict[str, str] | os._Environ[str]) -> bool:
+    """This worker was started by ddpjob-agent or torchrun, which stop it with SIGTERM: it
+    writes its committed step then (:mod:`ddpjob_worker.onstop`). A script run by hand (or a
+    test in its runner's process) keeps its signals as they are."""
+    return bool(env.get(DDPJOB_SNAPSHOT_DIR) or env.get("TORCHELASTIC_RUN_ID"))
 
 
 def _rank_world() -> tuple[int, int]:

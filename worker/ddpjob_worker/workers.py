@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -102,6 +103,48 @@ def wait_saves(procs: Iterable[subprocess.Popen[bytes]], limit: float) -> None:
                 limit,
             )
         time.sleep(0.05)
+
+
+def terminate(procs: Iterable[subprocess.Popen[bytes]], limit: float, grace: float) -> None:
+    """SIGTERM the workers (their process groups, as torch does), then wait up to ``limit``
+    seconds for them to exit; a worker that says it is saving (it writes its committed step
+    at the stop: :mod:`ddpjob_worker.onstop`) is waited for up to ``grace`` seconds, and
+    given ``limit`` more to exit once it is done. The caller kills what is left (torch's
+    shutdown)."""
+    procs = [proc for proc in procs if proc.poll() is None]
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    started = time.monotonic()
+    deadline = started + limit
+    told = False
+    while procs:
+        procs = [proc for proc in procs if proc.poll() is None]
+        busy = [
+            proc.pid
+            for proc in procs
+            if (path := saving_marker(proc.pid)) is not None and path.exists()
+        ]
+        now = time.monotonic()
+        if busy:
+            deadline = max(deadline, now + limit)
+        if not procs or now >= deadline:
+            return
+        if now - started >= grace:
+            logger.warning(
+                "worker pid %s still writing its state %gs after SIGTERM: stopping it anyway",
+                ", ".join(map(str, busy)),
+                grace,
+            )
+            return
+        if busy and not told:
+            told = True
+            logger.info(
+                "worker pid %s is writing its state at the stop: letting it finish (up to %gs)",
+                ", ".join(map(str, busy)),
+                grace,
+            )
+        time.sleep(0.01)
 
 
 def wait_gone(procs: Iterable[subprocess.Popen[bytes]], limit: float) -> None:

@@ -1,0 +1,278 @@
+"""A worker that is stopped, or whose step fails, writes the step it has committed
+(:mod:`ddpjob_worker.onstop`, ``TrainState.save_at_stop``): real gloo groups of two processes
+(``stop_train.py``) whose periodic snapshots are 1,000 steps apart, so only that write can
+hold the newest step. Also :mod:`ddpjob_worker.cadence`, and the agent's side
+(:func:`ddpjob_worker.workers.terminate`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddpjob_worker import cadence, flat, onstop
+from ddpjob_worker.snapshot import SnapshotFile
+from ddpjob_worker.train import newest, tensor_bytes
+from ddpjob_worker.workers import terminate
+from tests.harness import free_port, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("stop_train.py")
+
+
+class Group:
+    """``world`` ranks of ``stop_train.py``, each logging to its own file."""
+
+    def __init__(self, tmp_path: Path, world: int, *argv: str) -> None:
+        self.tmp = tmp_path
+        port = free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(REPO / "worker"), str(REPO)]),
+                "PYTHONUNBUFFERED": "1",
+                "RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RUN_ID": "stop-test",  # as torchrun or ddpjob-agent start it
+            }
+            with self.log(rank).open("wb") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(SCRIPT), "--path", str(self.path(rank)), *argv],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        cwd=tmp_path,
+                    )
+                )
+
+    def log(self, rank: int) -> Path:
+        return self.tmp / f"rank{rank}.log"
+
+    def path(self, rank: int) -> Path:
+        return self.tmp / f"rank{rank}.snap"
+
+    def text(self, rank: int) -> str:
+        return self.log(rank).read_text(errors="replace")
+
+    def committed(self, rank: int) -> int:
+        """The newest step ``rank`` says it committed (0: none)."""
+        steps = [
+            int(line.rsplit("step=", 1)[1])
+            for line in self.text(rank).splitlines()
+            if line.startswith("STOP committed")
+        ]
+        return max(steps, default=0)
+
+    def newest(self, rank: int) -> tuple[int, dict[str, Any]]:
+        """(step, state) of ``rank``'s newest snapshot."""
+        snaps = SnapshotFile.open(self.path(rank), flat.page_sums)
+        try:
+            snap = newest(snaps)
+            assert snap is not None, self.text(rank)
+            return snap.step, flat.load(snap.payload)
+        finally:
+            snaps.close()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def torch_checksum(tree: Any) -> int:
+    """CRC-32 of a state dict: its tensors' bytes and the rest's repr, in order."""
+    if isinstance(tree, dict):
+        return zlib.crc32(b"".join(f"{k}:{torch_checksum(v)};".encode() for k, v in tree.items()))
+    if isinstance(tree, list | tuple):
+        return zlib.crc32(b"".join(f"{torch_checksum(v)};".encode() for v in tree))
+    if isinstance(tree, torch.Tensor):
+        return zlib.crc32(tensor_bytes(tree))
+    return zlib.crc32(repr(tree).encode())
+
+
+def blocked(group: Group, rank: int) -> None:
+    wait_until(
+        f"rank {rank} blocking",
+        lambda: "STOP blocking" in group.text(rank) or _died(group),
+        60,
+    )
+    assert not _died(group), [group.text(r) for r in range(len(group.procs))]
+    time.sleep(0.5)  # the other rank is in the all-reduce by now (it waits there for this one)
+
+
+def _died(group: Group) -> bool:
+    return any(proc.poll() is not None for proc in group.procs)
+
+
+def test_a_rank_stopped_in_the_all_reduce_writes_its_committed_step_as_does_its_peer(
+    tmp_path: Path,
+) -> None:
+    group = Group(
+        tmp_path, 2, "--block-at", "10", "--block-rank", "1", "--where", "before-backward"
+    )
+    try:
+        blocked(group, 1)
+        assert group.committed(0) == 10
+        assert group.newest(0)[0] == 1  # the periodic snapshot: the first commit's only
+        group.procs[0].send_signal(signal.SIGTERM)  # blocked in gloo: no Python handler runs
+        assert group.procs[0].wait(30) == onstop.EXIT_CODE, group.text(0)
+        group.procs[1].send_signal(signal.SIGTERM)  # in user code, before its backward
+        assert group.procs[1].wait(30) == onstop.EXIT_CODE, group.text(1)
+        step0, state0 = group.newest(0)
+        step1, state1 = group.newest(1)
+        assert (step0, step1) == (10, 10), (group.text(0), group.text(1))
+        # DDP: the same model and optimizer on both ranks (Python's RNG is seeded per process).
+        assert state0["sampler"] == state1["sampler"] == {"epoch": 0, "processed": 80, "size": 1024}
+        for key in ("model", "optimizer"):
+            assert torch_checksum(state0[key]) == torch_checksum(state1[key]), key
+    finally:
+        group.close()
+
+
+def test_a_rank_stopped_past_its_optimizer_step_keeps_its_older_snapshot(tmp_path: Path) -> None:
+    group = Group(tmp_path, 2, "--block-at", "10", "--block-rank", "1", "--where", "after-step")
+    try:
+        blocked(group, 1)
+        # Rank 1 applied step 10's update and never commits it: its parameters are neither
+        # step 10's nor step 11's. Rank 0 committed step 10 and waits in step 11's all-reduce.
+        group.procs[1].send_signal(signal.SIGTERM)
+        assert group.procs[1].wait(30) == onstop.EXIT_CODE, group.text(1)
+        assert group.newest(1)[0] == 1, group.text(1)  # not the half-applied state
+        assert "past its optimizer.step" in group.text(1)
+        group.procs[0].kill()  # its peer is gone: it fails out of the all-reduce
+        group.procs[0].wait(30)
+    finally:
+        group.close()
+
+
+def test_a_rank_whose_peer_dies_under_the_all_reduce_writes_its_step_before_it_raises(
+    tmp_path: Path,
+) -> None:
+    group = Group(
+        tmp_path, 2, "--block-at", "10", "--block-rank", "1", "--where", "before-backward"
+    )
+    try:
+        blocked(group, 1)
+        group.procs[1].kill()  # SIGKILL: its sockets close, rank 0's all-reduce fails
+        code = group.procs[0].wait(60)
+        assert code not in (0, onstop.EXIT_CODE), group.text(0)  # the error, raised
+        assert group.newest(0)[0] == 10, group.text(0)
+    finally:
+        group.close()
+
+
+def test_a_scripts_own_sigterm_handler_still_decides_and_the_step_is_written(
+    tmp_path: Path,
+) -> None:
+    group = Group(tmp_path, 1, "--own-handler")
+    try:
+        wait_until("step 20 committed", lambda: group.committed(0) >= 20 or _died(group), 60)
+        group.procs[0].send_signal(signal.SIGTERM)
+        assert group.procs[0].wait(30) == 7, group.text(0)  # the script's handler: sys.exit(7)
+        text = group.text(0)
+        assert "STOP handler rank=0" in text
+        # The handler's SystemExit left the step block uncommitted: the write holds the step
+        # committed before it, the last the log shows.
+        assert group.newest(0)[0] == group.committed(0), text
+    finally:
+        group.close()
+
+
+# -- the agent's side ----------------------------------------------------------------------------
+
+SAVER = textwrap.dedent(
+    """
+    import os, pathlib, signal, sys, time
+    marker = pathlib.Path(sys.argv[1]) / str(os.getpid())
+    def on_term(signum, frame):
+        marker.touch()
+        time.sleep(1.0)  # a snapshot being written
+        marker.unlink()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.1)
+    """
+)
+DEAF = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + (
+    "print('ready', flush=True)\ntime.sleep(60)\n"
+)
+
+
+def _spawn(code: str, *argv: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        start_new_session=True,  # torch's workers lead process groups of their own
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    return proc
+
+
+def test_terminate_waits_for_a_worker_writing_its_state_and_not_for_one_that_ignores_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DDPJOB_SAVING_DIR", str(tmp_path))
+    env = {**os.environ}
+    saver = _spawn(SAVER, str(tmp_path), env=env)
+    deaf = _spawn(DEAF, env=env)
+    try:
+        terminate([saver, deaf], 0.2, 10.0)
+        assert saver.poll() == 0  # it finished its write: the stop waited for it
+        assert deaf.poll() is None  # no marker: not waited for past the limit (torch kills it)
+    finally:
+        for proc in (saver, deaf):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+# -- the cadence ---------------------------------------------------------------------------------
+
+
+def test_the_cadence_learns_the_interval_that_keeps_snapshots_at_the_budget() -> None:
+    pace = cadence.Cadence(budget=0.01)
+    assert pace.due(1)
+    pace.wrote(1, 0.002)  # 2 ms at the commit
+    pace.stepped(0.110)  # the step after it: no median yet, not a cost sample
+    for _ in range(cadence.FIRST_INTERVAL - 1):
+        pace.stepped(0.100)
+    assert pace.interval == cadence.FIRST_INTERVAL
+    assert not pace.due(cadence.FIRST_INTERVAL)
+    assert pace.due(1 + cadence.FIRST_INTERVAL)
+    pace.wrote(1 + cadence.FIRST_INTERVAL, 0.002)
+    pace.stepped(0.108)  # 8 ms longer than the median: 10 ms a snapshot in all
+    assert pace.cost() == pytest.approx(0.010)
+    # 10 ms against 1 % of a 100 ms step: one snapshot every 10 steps.
+    assert not pace.due(9 + cadence.FIRST_INTERVAL)
+    assert pace.due(11 + cadence.FIRST_INTERVAL)
+    assert pace.interval == 10
+
+
+def test_a_fixed_cadence_and_a_bad_one() -> None:
+    pace = cadence.Cadence(3)
+    assert [step for step in range(1, 12) if pace.due(step) and (pace.wrote(step, 0.0) or 1)] == [
+        1,
+        4,
+        7,
+        10,
+    ]
+    with pytest.raises(ValueError, match="snapshot_every=0: give a count of steps >= 1"):
+        cadence.Cadence(0)

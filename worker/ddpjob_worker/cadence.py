@@ -1,0 +1,100 @@
+"""How often a training state is snapshotted: its cost held to a small share of the step time.
+No torch.
+
+A snapshot after every step costs what it costs: on this 2-core machine 0.3 ms of Python on a
+0.57 ms toy step, and about 0.1 s of a 0.8 s step for 100 M parameters with AdamW, whose copy
+takes one core from a training that uses both. Issue 36 asks for at most 5 % of the step. The
+steps between two snapshots are not lost for that: a worker that is stopped (SIGTERM: its
+group broke, or the job changes size) writes the step it has committed before it exits, and
+one whose step fails (a peer died under the all-reduce) does so before it raises
+(:mod:`ddpjob_worker.onstop`, :meth:`ddpjob_worker.train.TrainState.step`). The periodic
+snapshot is what is left when a worker cannot: all of a job's workers killed at once, or a
+worker stopped after ``optimizer.step`` in a step that never commits.
+
+:class:`Cadence` learns both sides from the run itself: a step's time (commit to commit, the
+median of the last :data:`WINDOW` steps that did not follow a snapshot) and a snapshot's cost
+(what its commit took on the training thread, plus how much longer than that median the next
+step took: the wait for the background copy and the cores it used). The interval is the
+fewest steps that keep the cost under :data:`BUDGET` of the time they take; it is worked out
+again before each snapshot, so it follows a run whose steps speed up after the first ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+
+BUDGET = 0.01
+"""The share of the step time the periodic snapshots may take: 1 %. They are the fallback of a
+fallback (a stop writes the committed step), and the training loop's own bookkeeping and the
+rest of what a measurement misses need room under issue 36's 5 %."""
+WINDOW = 16
+"""Step times (and snapshot costs) kept for the medians."""
+FIRST_INTERVAL = 8
+"""Steps between the first snapshot and the second, before anything is measured."""
+MAX_INTERVAL = 10_000
+
+
+class Cadence:
+    """When to snapshot: every ``every`` steps, or (``every=None``) as often as :data:`BUDGET`
+    allows (see the module doc)."""
+
+    def __init__(self, every: int | None = None, budget: float = BUDGET) -> None:
+        if every is not None and every < 1:
+            raise ValueError(
+                f"snapshot_every={every}: give a count of steps >= 1 (1: after every step), "
+                "or None to let the snapshots take about 1 % of the step time"
+            )
+        self.every = every
+        self.budget = budget
+        self.interval = every if every is not None else FIRST_INTERVAL
+        """Steps from one snapshot to the next."""
+        self.last: int | None = None
+        """The step of the last snapshot."""
+        self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._costs: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._written: float | None = None
+        """The last snapshot's time at its commit, until the step after it is measured."""
+
+    def due(self, step: int) -> bool:
+        """Whether the commit of ``step`` writes a snapshot."""
+        if self.last is None:
+            return True
+        if step - self.last < self.interval:
+            return False
+        if self.every is None:
+            self.interval = self._learned()
+        return step - self.last >= self.interval
+
+    def wrote(self, step: int, seconds: float) -> None:
+        """The commit of ``step`` wrote a snapshot, taking ``seconds`` on the training thread."""
+        self.last = step
+        self._written = seconds
+
+    def stepped(self, seconds: float) -> None:
+        """A step took ``seconds``, commit to commit (the snapshot written at the commit that
+        began it not counted: :meth:`wrote` has it)."""
+        if self._written is None:
+            self._steps.append(seconds)
+            return
+        typical = self.typical()
+        if typical is not None:
+            self._costs.append(self._written + max(0.0, seconds - typical))
+        self._written = None
+
+    def typical(self) -> float | None:
+        """The median step time, once three steps are known."""
+        return statistics.median(self._steps) if len(self._steps) >= 3 else None
+
+    def cost(self) -> float | None:
+        """The median snapshot cost, once one is known."""
+        return statistics.median(self._costs) if self._costs else None
+
+    def _learned(self) -> int:
+        typical, cost = self.typical(), self.cost()
+        if typical is None or cost is None:
+            return self.interval
+        if typical <= 0:
+            return MAX_INTERVAL
+        return max(1, min(MAX_INTERVAL, math.ceil(cost / (self.budget * typical))))
