@@ -106,14 +106,14 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
     written: dict[str, list[float]] = {"every": [], "auto": []}
     background: dict[str, list[float]] = {"every": [], "auto": []}
     one_step()  # warm every path up: allocations, AdamW's state, the snapshot files
-    for mode, state in states.items():
+    for mode, first in states.items():
         next(loops[mode])
-        with state.step():
+        with first.step():
             one_step()
     settle()
     while len(times["auto"]) < steps:
         for mode in MODES:
-            state = states.get(mode)
+            state: TrainState | None = states.get(mode)
             for _ in range(block):
                 count = 0 if state is None else state.snapshots_written
                 started = time.perf_counter()
@@ -126,8 +126,9 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
                 times[mode].append(time.perf_counter() - started)
                 if state is not None and mode in written and state.snapshots_written > count:
                     written[mode].append(state.snapshot_seconds)
-                    background[mode].append(state.background_seconds)
             settle()
+            if state is not None and mode in background:
+                background[mode].append(state.background_seconds)  # the block's last copy
     params = sum(p.numel() for p in net.parameters())
     # Means, not medians: a snapshot every few steps shows in the mean only.
     mean = {mode: statistics.fmean(times[mode]) for mode in MODES}

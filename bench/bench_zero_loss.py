@@ -232,7 +232,7 @@ def inject(
         record = path_for(directory, 0)
         wait(
             "node 1's worker writing its snapshot",
-            lambda: (r := read(record)) is not None and r.phase is Phase.COMMIT,
+            lambda: (r := read(record)) is not None and r.phase is Phase.SNAPSHOT,
             30,
             poll=0.001,
         )

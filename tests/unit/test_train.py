@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpjob_worker import onstop
 from ddpjob_worker.snapshot import SnapshotFile
 from ddpjob_worker.train import (
     ElasticSampler,
@@ -255,6 +256,7 @@ def test_each_phase_of_a_ddp_step_is_marked_for_the_agent(
         phases.append(read(record))
     finally:
         dist.destroy_process_group()
+        onstop.uninstall()  # DDPJOB_SNAPSHOT_DIR made it watch SIGTERM: not in pytest's process
     seen = [(r.step, r.phase) for r in phases if r is not None]
     assert seen == [
         (0, Phase.COMPUTE), (0, Phase.COLLECTIVE),

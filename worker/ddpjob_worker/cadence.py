@@ -12,11 +12,14 @@ snapshot is what is left when a worker cannot: all of a job's workers killed at 
 worker stopped after ``optimizer.step`` in a step that never commits.
 
 :class:`Cadence` learns both sides from the run itself: a step's time (commit to commit, the
-median of the last :data:`WINDOW` steps that did not follow a snapshot) and a snapshot's cost
-(what its commit took on the training thread, plus how much longer than that median the next
-step took: the wait for the background copy and the cores it used). The interval is the
-fewest steps that keep the cost under :data:`BUDGET` of the time they take; it is worked out
-again before each snapshot, so it follows a run whose steps speed up after the first ones.
+median of the last :data:`WINDOW` steps) and a snapshot's cost (the median of what the last
+ones took on the training thread at the commit plus their background copy, as if the copy took
+its core from the training the whole time: on a machine with a core to spare it takes less).
+Both are measured directly, never as a difference of step times: a gap between two steps (an
+evaluation, a checkpoint, the benchmark's other modes) is one outlier among the step times,
+and none among the costs. The interval is the fewest steps that keep the cost under
+:data:`BUDGET` of the time they take; it is worked out again before each snapshot, so it
+follows a run whose steps speed up after the first ones.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class Cadence:
         self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._costs: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._written: float | None = None
-        """The last snapshot's time at its commit, until the step after it is measured."""
+        """The last snapshot's time at its commit, until its background copy's is known."""
 
     def due(self, step: int) -> bool:
         """Whether the commit of ``step`` writes a snapshot."""
@@ -68,20 +71,26 @@ class Cadence:
         return step - self.last >= self.interval
 
     def wrote(self, step: int, seconds: float) -> None:
-        """The commit of ``step`` wrote a snapshot, taking ``seconds`` on the training thread."""
+        """The commit of ``step`` wrote a snapshot, taking ``seconds`` on the training thread;
+        :meth:`copied` follows once its background copy is done."""
         self.last = step
         self._written = seconds
+
+    @property
+    def waiting(self) -> bool:
+        """The last snapshot's background time is still to come (:meth:`copied`)."""
+        return self._written is not None
+
+    def copied(self, seconds: float) -> None:
+        """The last snapshot's background copy took ``seconds`` (0: it had none)."""
+        if self._written is not None:
+            self._costs.append(self._written + seconds)
+            self._written = None
 
     def stepped(self, seconds: float) -> None:
         """A step took ``seconds``, commit to commit (the snapshot written at the commit that
         began it not counted: :meth:`wrote` has it)."""
-        if self._written is None:
-            self._steps.append(seconds)
-            return
-        typical = self.typical()
-        if typical is not None:
-            self._costs.append(self._written + max(0.0, seconds - typical))
-        self._written = None
+        self._steps.append(seconds)
 
     def typical(self) -> float | None:
         """The median step time, once three steps are known."""

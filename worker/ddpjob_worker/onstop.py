@@ -70,7 +70,8 @@ class OnStop:
         """End the thread: closing the pipe's write end ends its read."""
         with contextlib.suppress(OSError):
             os.close(self.write_fd)
-        self._thread.join(5)
+        if self._thread.ident is not None:
+            self._thread.join(5)
         with contextlib.suppress(OSError):
             os.close(self.read_fd)
 
@@ -78,7 +79,9 @@ class OnStop:
         """SIGTERM on the main thread. Default action: the thread writes and exits (should it
         be gone, the default action now). A script's handler: now, or at the commit."""
         if not callable(self.previous):
-            if not self._thread.is_alive():
+            if not (self._thread.is_alive() and self._woken()):
+                # Nobody will write and exit (an event loop took the wakeup fd since):
+                # the default action, as if we were not here.
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.raise_signal(signal.SIGTERM)
             return
@@ -86,6 +89,14 @@ class OnStop:
             self.pending = (signum, frame)
             return
         self.previous(signum, frame)
+
+    def _woken(self) -> bool:
+        """The wakeup fd is still ours (main thread: it can only be read by setting it)."""
+        current = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        if current != self.write_fd:
+            signal.set_wakeup_fd(current)
+            return False
+        return True
 
     def release(self) -> None:
         """Main thread, once the step is committed: run the script's handler a step held."""
@@ -137,7 +148,8 @@ def install(on_stop: Callable[[], None], hold: Callable[[], bool] = _never) -> O
     watch.hold = hold
     taken = signal.set_wakeup_fd(watch.write_fd, warn_on_full_buffer=False)
     if taken != -1:
-        signal.set_wakeup_fd(taken)  # someone else's: leave it theirs
+        with contextlib.suppress(ValueError):  # gone or blocking now: not ours to mend
+            signal.set_wakeup_fd(taken)  # someone else's: leave it theirs
         watch.stop()
         logger.info("the signal wakeup fd is taken (an event loop?): no snapshot at a stop")
         return None

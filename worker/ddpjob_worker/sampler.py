@@ -5,6 +5,7 @@ position is two integers that the snapshot carries.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import random
 from typing import Any
@@ -54,15 +55,20 @@ class ElasticSampler:
         self.epochs = epochs
         self.epoch = 0
         self.processed = 0
-        self._order: tuple[int, list[int]] | None = None
+        self._order: tuple[int, array.array[int]] | None = None
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's order of indices: the same in every process (a seeded shuffle)."""
+        return self._indices(epoch).tolist()
+
+    def _indices(self, epoch: int) -> array.array[int]:
+        """The epoch's order as a compact array: 8 bytes an index instead of a list's 36, and a
+        step's slice reads contiguous memory (a shuffled list's ints lie all over the heap)."""
         if self._order is None or self._order[0] != epoch:
             indices = list(range(self.size))
             if self.shuffle:
                 random.Random(self.seed * 1_000_003 + epoch).shuffle(indices)  # noqa: S311
-            self._order = (epoch, indices)
+            self._order = (epoch, array.array("q", indices))
         return self._order[1]
 
     def next_batch(self, rank: int, world: int) -> Batch | None:
@@ -73,9 +79,9 @@ class ElasticSampler:
             return None
         # One slice of the step's share: slicing what is left of the epoch first copied it
         # whole, a cost that grew with the dataset (0.5 ms a step at 192,000 samples).
-        step = self.order(self.epoch)[self.processed : self.processed + world * self.batch_size]
+        step = self._indices(self.epoch)[self.processed : self.processed + world * self.batch_size]
         n = len(step)
-        return Batch(indices=step[rank * n // world : (rank + 1) * n // world], consumed=n)
+        return Batch(indices=step[rank * n // world : (rank + 1) * n // world].tolist(), consumed=n)
 
     def advance(self, consumed: int) -> None:
         """A step that consumed ``consumed`` samples (all ranks together) was committed."""

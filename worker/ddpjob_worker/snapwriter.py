@@ -94,6 +94,9 @@ class SnapshotWriter:
         """How long the last snapshot took on the training thread."""
         self.background_seconds = 0.0
         """How long the last finished background part took (copy, checksum, publish)."""
+        self.deferred = False
+        """The last snapshot has a background part (its time is :attr:`background_seconds`
+        once it is not :attr:`busy`)."""
         self.waited = 0.0
         """How long the training thread has waited for background copies since the owner last
         set this to 0 (:class:`ddpjob_worker.train.TrainState` does, once a step)."""
@@ -127,6 +130,7 @@ class SnapshotWriter:
             now = [placed for placed in laid.tensors if placed[0].data_ptr() not in pointers]
             deferred = [placed for placed in laid.tensors if placed[0].data_ptr() in pointers]
         write = snaps.begin(laid.nbytes)
+        self.deferred = bool(deferred)
         try:
             target = self._target(snaps, write.slot)
             target.head(laid)
@@ -198,6 +202,12 @@ class SnapshotWriter:
             snaps.path = self.path
 
     # -- waiting --------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """The last snapshot's background part is still running."""
+        job = self._job
+        return job is not None and job.future is not None and not job.future.done()
 
     def wait_copied(self) -> None:
         """Return once the pending snapshot no longer reads the parameters and the optimizer's

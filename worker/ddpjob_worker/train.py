@@ -1,12 +1,13 @@
-"""The training-state API (issue 36, option (a)): a step's state in memory after every commit,
-and a restart that resumes from the survivors' newest step instead of the last checkpoint.
+"""The training-state API (issue 36, option (a)): a step's state in memory every few steps and
+whenever the worker stops, and a restart that resumes from the survivors' newest step instead
+of the last checkpoint.
 
 About three changed lines in a plain DDP script::
 
     state = TrainState(model=ddp_model, optimizer=opt, scheduler=sched,
                        sampler=ElasticSampler(len(ds), batch_size=32, seed=0))
     for indices in state.batches():     # restores first; then this rank's next sample indices
-        with state.step():              # a clean exit commits: step_no += 1, snapshot written
+        with state.step():              # a clean exit commits: step_no += 1
             ...forward/backward/opt.step()...
 
 What a step's state is: the model's and optimizer's (and scheduler's) state dicts, the
@@ -18,9 +19,32 @@ snapshot before it), ``<DDPJOB_SNAPSHOT_DIR>/rank<local rank>.snap`` in the dire
 owns (:mod:`ddpjob_worker.snapdir`), so it outlives the worker. For a large state the
 parameters and the optimizer's state are copied on a background thread while the next step's
 forward and backward run, and the next ``optimizer.step`` waits for that copy
-(:mod:`ddpjob_worker.snapwriter`, which says what that asks of a script and why a worker
-killed meanwhile may then lose one committed step); ``TrainState(background=False)`` writes
-every snapshot whole at the commit.
+(:mod:`ddpjob_worker.snapwriter`, which says what that asks of a script);
+``TrainState(background=False)`` writes every snapshot whole at the commit.
+
+When: a commit writes a snapshot every ``snapshot_every`` steps, by default as often as keeps
+them at about 1 % of the step time (:mod:`ddpjob_worker.cadence`), and the steps in between
+are not lost for it, because a worker writes the step it has committed when
+
+* **it is stopped** (SIGTERM, from ddpjob-agent or torchrun: its group broke, a peer hangs, the
+  job changes size): a thread woken by the signal writes it even while the main thread is
+  blocked in the all-reduce (:mod:`ddpjob_worker.onstop`), and the agent waits for that write
+  (up to its grace period) before it kills the worker;
+* **its step fails** (a peer died under the all-reduce): the step block writes it before the
+  error goes on.
+
+Between a commit and the next ``optimizer.step`` the parameters and the optimizer's state are
+still the commit's; the rest of the state that the next forward may change (the torch RNG
+state, the model's buffers, ``extra``'s entries) is kept at each commit, for about 1.4 µs. A
+stop that comes after ``optimizer.step`` waits (up to three step times) for the commit; one
+that never comes (the step blocks or fails after ``optimizer.step``: a collective after it, in
+the block) writes nothing, and the periodic snapshot is what that worker holds. Put a
+collective of your own (a loss all-reduce for logging) after the step block. Python's and
+numpy's RNG states in a stop's snapshot are the stop's, not the commit's (keeping them at each
+commit would cost more than the rest together); torch's are the commit's.
+
+A script's own SIGTERM handler still runs; while a step is between its ``optimizer.step`` and
+its commit it is held until the commit, so a handler that exits does not throw that step away.
 
 The restore (:meth:`TrainState.restore`, run by :meth:`TrainState.batches` before its first
 batch) over the default process group: every rank tells the others its newest good snapshot
@@ -361,6 +385,9 @@ class TrainState:
             self._writing = due
         if self._committed_at is not None:
             self._cadence.stepped(now - self._committed_at)
+        writer = self._writer
+        if self._cadence.waiting and writer is not None and not writer.busy:
+            self._cadence.copied(writer.background_seconds if writer.deferred else 0.0)
         if due:
             self._mark(Phase.SNAPSHOT)
             try:
