@@ -323,6 +323,9 @@ class TrainState:
         self._snapped = -1
         """The step of the newest snapshot this rank's file holds (-1: none known)."""
         self._held: _Held | None = None
+        self._writer_lock = threading.Lock()
+        """The writer is not thread-safe: a stop's snapshot and the training thread's flushes
+        and snapshots take turns."""
         self._buffers: list[torch.Tensor] | None = None
         self._committed_at: float | None = None
         self._step_block = _Step(self)
@@ -366,7 +369,7 @@ class TrainState:
         return self._step_block
 
     def _failed(self) -> None:
-        self.save_at_stop(0.0, "its step failed")
+        self._save_at_stop(0.0, "its step failed")
 
     def _commit(self) -> None:
         now = time.perf_counter()
@@ -380,9 +383,14 @@ class TrainState:
             if self._stopping:  # a stop's snapshot writes this step: wait for it
                 while self._stopping:
                     self._cond.wait()
-                return
-            due = self._writer is not None and self._cadence.due(self.step_no)
-            self._writing = due
+                stopped = True
+            else:
+                stopped = False
+                due = self._writer is not None and self._cadence.due(self.step_no)
+                self._writing = due
+        if stopped:
+            self._release()
+            return
         if self._committed_at is not None:
             self._cadence.stepped(now - self._committed_at)
         writer = self._writer
@@ -402,6 +410,9 @@ class TrainState:
             if self._writer is not None:
                 self._hold()
         self._committed_at = time.perf_counter()
+        self._release()
+
+    def _release(self) -> None:
         if self._onstop is not None and self._onstop.pending is not None:
             self._onstop.release()  # the script's SIGTERM handler, held while the step ran
 
@@ -435,7 +446,8 @@ class TrainState:
         be reading them; see :mod:`ddpjob_worker.snapwriter`). The restore, a checkpoint, the
         next snapshot and the end of :meth:`batches` call it."""
         if self._writer is not None:
-            self._writer.flush()
+            with self._writer_lock:
+                self._writer.flush()
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         with self._cond:
@@ -470,9 +482,9 @@ class TrainState:
         """SIGTERM (:mod:`ddpjob_worker.onstop`'s thread): write the committed step."""
         typical = self._cadence.typical() or 0.0
         wait = min(STOP_WAIT_MAX_SECONDS, max(STOP_WAIT_FLOOR_SECONDS, 3 * typical))
-        self.save_at_stop(wait, "stopped (SIGTERM)")
+        self._save_at_stop(wait, "stopped (SIGTERM)")
 
-    def save_at_stop(self, wait: float, why: str) -> bool:
+    def _save_at_stop(self, wait: float, why: str) -> bool:
         """Write the committed step's snapshot if this rank's newest is older (see the module
         doc). Waits up to ``wait`` seconds for a step that is past its ``optimizer.step`` to
         commit (the stop's thread); the training thread, whose step failed, cannot wait for
@@ -480,11 +492,11 @@ class TrainState:
         if self._writer is None:
             return False
         with self._cond:
-            while self._stopping:  # the other thread writes it
-                self._cond.wait()
             if threading.current_thread() is threading.main_thread() and self._dirty:
                 self._broken = True  # the step failed after optimizer.step: no commit comes
                 self._cond.notify_all()
+            while self._stopping:  # the other thread writes it
+                self._cond.wait()
             self._stopping = True
             deadline = time.monotonic() + wait
             while (self._dirty or self._writing) and not self._broken:
@@ -514,6 +526,10 @@ class TrainState:
     def _write_held(self, step: int, why: str) -> bool:
         """Write the committed ``step`` now, whole: the parameters and the optimizer's state as
         they are (unchanged since the commit), the rest as the commit held it."""
+        with self._writer_lock:
+            return self._write_held_locked(step, why)
+
+    def _write_held_locked(self, step: int, why: str) -> bool:
         assert self._writer is not None
         try:
             self._writer.flush()  # the periodic snapshot's background copy first
@@ -711,9 +727,11 @@ class TrainState:
         state possibly in the background: :mod:`ddpjob_worker.snapwriter`)."""
         if self._writer is None:
             return
-        if not self._writer.write(
-            self.step_no, self.generation, self.state_dict(), self._deferrable
-        ):
+        with self._writer_lock:
+            written = self._writer.write(
+                self.step_no, self.generation, self.state_dict(), self._deferrable
+            )
+        if not written:
             self._writer = None  # no file could be made: no snapshots (a warning said why)
             self._path = None
             return
