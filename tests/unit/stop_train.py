@@ -8,7 +8,8 @@ snapshots far apart, so that only the write at a stop can hold its newest step. 
 ``--block-at S --block-rank R --where before-backward``: rank R sleeps forever in step S before
 its backward (the others wait for it in the all-reduce); ``after-step``: after its
 ``optimizer.step``, inside the block (a step that never commits). ``--own-handler``: the script
-installs a SIGTERM handler of its own first (it exits 7).
+installs a SIGTERM handler of its own first: it says ``STOP handler rank=<r> step=<committed>``
+and exits 7.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpjob_worker.train import ElasticSampler, TrainState
 
+STATE: TrainState | None = None
+
 
 def say(line: str) -> None:
     sys.stdout.write(f"STOP {line}\n")
@@ -46,7 +49,8 @@ def main() -> None:
     if args.own_handler:
 
         def mine(signum: int, frame: FrameType | None) -> None:
-            say(f"handler rank={os.environ['RANK']}")
+            step = -1 if STATE is None else STATE.step_no
+            say(f"handler rank={os.environ['RANK']} step={step}")
             sys.exit(7)
 
         signal.signal(signal.SIGTERM, mine)
@@ -57,7 +61,8 @@ def main() -> None:
     model = DistributedDataParallel(net)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     data = torch.randn(1024, 8, generator=torch.Generator().manual_seed(1))
-    state = TrainState(
+    global STATE  # noqa: PLW0603 - the handler reports the step it ran at
+    state = STATE = TrainState(
         model=model,
         optimizer=opt,
         sampler=ElasticSampler(len(data), batch_size=4, seed=0, epochs=100),

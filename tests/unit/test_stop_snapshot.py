@@ -186,10 +186,12 @@ def test_a_scripts_own_sigterm_handler_still_decides_and_the_step_is_written(
         group.procs[0].send_signal(signal.SIGTERM)
         assert group.procs[0].wait(30) == 7, group.text(0)  # the script's handler: sys.exit(7)
         text = group.text(0)
-        assert "STOP handler rank=0" in text
-        # The handler's SystemExit left the step block uncommitted: the write holds the step
-        # committed before it, the last the log shows.
-        assert group.newest(0)[0] == group.committed(0), text
+        handled = [line for line in text.splitlines() if line.startswith("STOP handler")]
+        assert len(handled) == 1, text
+        # The handler ran between steps, or at the commit of a step past its optimizer.step
+        # (held until then): the stop's snapshot holds the step committed when it ran.
+        at = int(handled[0].rsplit("step=", 1)[1])
+        assert at >= 20 and group.newest(0)[0] == at, text
     finally:
         group.close()
 

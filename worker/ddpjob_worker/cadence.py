@@ -86,10 +86,12 @@ class Cadence:
         """The last snapshot's background time is still to come (:meth:`copied`)."""
         return self._written is not None
 
-    def copied(self, seconds: float) -> None:
-        """The last snapshot's background copy took ``seconds`` (0: it had none)."""
+    def copied(self, seconds: float, *, count: bool = True) -> None:
+        """The last snapshot's background copy took ``seconds`` (0: it had none);
+        ``count=False``: its cost is not what the next ones will cost (leave it out)."""
         if self._written is not None:
-            self._costs.append(self._written + seconds)
+            if count:
+                self._costs.append(self._written + seconds)
             self._written = None
             if self.every is None:
                 self.interval = self._learned()

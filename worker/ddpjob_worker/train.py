@@ -395,7 +395,10 @@ class TrainState:
             self._cadence.stepped(now - self._committed_at)
         writer = self._writer
         if self._cadence.waiting and writer is not None and not writer.busy:
-            self._cadence.copied(writer.background_seconds if writer.deferred else 0.0)
+            # A slot's first fill faults its pages in: not what the next snapshots cost.
+            self._cadence.copied(
+                writer.background_seconds if writer.deferred else 0.0, count=not writer.first_fill
+            )
         if due:
             self._mark(Phase.SNAPSHOT)
             try:
