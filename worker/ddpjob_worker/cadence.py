@@ -13,8 +13,10 @@ worker stopped after ``optimizer.step`` in a step that never commits.
 
 :class:`Cadence` learns both sides from the run itself: a step's time (commit to commit, the
 median of the last :data:`WINDOW` steps) and a snapshot's cost (the median of what the last
-ones took on the training thread at the commit plus their background copy, as if the copy took
-its core from the training the whole time: on a machine with a core to spare it takes less).
+ones took on the training thread at the commit plus the CPU time of their background copy, as
+if the copy took that time from the training: on a machine with a core to spare it takes less;
+its wall time, longer when it shares the cores with the training, would count the sharing
+twice). A snapshot into a new file's slot is not a sample: it faults the slot's pages in.
 Both are measured directly, never as a difference of step times: a gap between two steps (an
 evaluation, a checkpoint, the benchmark's other modes) is one outlier among the step times,
 and none among the costs. The interval is the fewest steps that keep the cost under

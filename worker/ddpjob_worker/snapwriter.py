@@ -94,6 +94,9 @@ class SnapshotWriter:
         """How long the last snapshot took on the training thread."""
         self.background_seconds = 0.0
         """How long the last finished background part took (copy, checksum, publish)."""
+        self.background_cpu_seconds = 0.0
+        """The CPU time it took (its thread's: the copy runs on one core), what it took from
+        the training: a copy that shares the cores with it takes longer than that."""
         self.deferred = False
         self.first_fill = False
         """The last snapshot went to a slot of a new file: its pages were faulted in (3.9 s
@@ -169,6 +172,7 @@ class SnapshotWriter:
     ) -> None:
         """The background part: copy, check nothing moved meanwhile, publish."""
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         try:
             try:
                 target.copy(deferred)
@@ -198,6 +202,7 @@ class SnapshotWriter:
             )
             raise
         self.background_seconds = time.perf_counter() - started
+        self.background_cpu_seconds = time.thread_time() - cpu_started
 
     def _publish(self, snaps: SnapshotFile, write: Write, step: int, generation: int) -> None:
         snaps.publish(write, step, generation)

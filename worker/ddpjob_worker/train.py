@@ -94,7 +94,7 @@ from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
 from ddpjob_worker.hang import StepTimes
 from ddpjob_worker.progress import Phase
 from ddpjob_worker.sampler import Batch, ElasticSampler
-from ddpjob_worker.saving import saving
+from ddpjob_worker.saving import marked, saving
 from ddpjob_worker.snapshot import SLOTS, Snapshot, SnapshotError, SnapshotFile
 from ddpjob_worker.snapwriter import SnapshotWriter
 
@@ -369,7 +369,8 @@ class TrainState:
         return self._step_block
 
     def _failed(self) -> None:
-        self._save_at_stop(0.0, "its step failed")
+        with marked():  # the agent, stopping this worker meanwhile, lets the write end
+            self._save_at_stop(0.0, "its step failed", training=True)
 
     def _commit(self) -> None:
         now = time.perf_counter()
@@ -397,7 +398,8 @@ class TrainState:
         if self._cadence.waiting and writer is not None and not writer.busy:
             # A slot's first fill faults its pages in: not what the next snapshots cost.
             self._cadence.copied(
-                writer.background_seconds if writer.deferred else 0.0, count=not writer.first_fill
+                writer.background_cpu_seconds if writer.deferred else 0.0,
+                count=not writer.first_fill,
             )
         if due:
             self._mark(Phase.SNAPSHOT)
@@ -487,15 +489,15 @@ class TrainState:
         wait = min(STOP_WAIT_MAX_SECONDS, max(STOP_WAIT_FLOOR_SECONDS, 3 * typical))
         self._save_at_stop(wait, "stopped (SIGTERM)")
 
-    def _save_at_stop(self, wait: float, why: str) -> bool:
+    def _save_at_stop(self, wait: float, why: str, *, training: bool = False) -> bool:
         """Write the committed step's snapshot if this rank's newest is older (see the module
         doc). Waits up to ``wait`` seconds for a step that is past its ``optimizer.step`` to
-        commit (the stop's thread); the training thread, whose step failed, cannot wait for
-        itself (0). Any thread. Whether it wrote one."""
+        commit (the stop's thread); the training thread (``training``), whose step failed,
+        cannot wait for itself. Whether it wrote one."""
         if self._writer is None:
             return False
         with self._cond:
-            if threading.current_thread() is threading.main_thread() and self._dirty:
+            if training and self._dirty:
                 self._broken = True  # the step failed after optimizer.step: no commit comes
                 self._cond.notify_all()
             while self._stopping:  # the other thread writes it
