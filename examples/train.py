@@ -121,8 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--snapshots",
         action="store_true",
         help="train on the training-state API: the committed step kept in memory (every few "
-        "steps, and whenever a worker stops or its step fails), a restart resumes from the newest step any rank holds (the checkpoint is the fallback); the "
-        "fault flags above but --crash-once-on-pod and --raise-at-step are not supported here",
+        "steps, and whenever a worker stops or its step fails), a restart resumes from the "
+        "newest step any rank holds (the checkpoint is the fallback); the fault flags above "
+        "but --crash-once-on-pod and --raise-at-step are not supported here",
     )
     args = parser.parse_args(argv)
     if args.snapshots:
