@@ -133,6 +133,8 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
     if mode == "ddpjob":
         script, train = SNAP, ["--steps", str(steps), "--step-sleep", str(STEP_SLEEP)]
         train += ["--background", args.background]
+        if args.snapshot_every:
+            train += ["--snapshot-every", str(args.snapshot_every)]
         if fault == "copy":
             train += ["--ballast-mb", "32"]  # a copy long enough to be caught in
         if fault == "hang":
@@ -258,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--background", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument(
+        "--snapshot-every",
+        type=int,
+        help="ddpjob's periodic snapshots every N steps (default: learned, every step for this "
+        "model's 0.1 s steps); 1000: only the write at the stop keeps the steps since the first",
+    )
     parser.add_argument(
         "--cold",
         action="store_true",
