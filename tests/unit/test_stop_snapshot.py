@@ -355,3 +355,38 @@ def test_no_watch_where_sigterm_is_ignored_or_the_wakeup_fd_is_taken() -> None:
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+FORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    from ddpjob_worker import onstop
+    out = Path(sys.argv[1])
+    onstop.install(lambda: out.write_text("parent wrote"))
+    child = os.fork()
+    if child == 0:  # a DataLoader worker, say: SIGTERMed by its parent or the agent
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        os._exit(0)  # not reached: SIGTERM's default action
+    _, status = os.waitpid(child, 0)
+    print("child", os.waitstatus_to_exitcode(status), flush=True)
+    time.sleep(1)  # the parent's thread would have woken by now
+    print("parent alive", flush=True)
+    """
+)
+
+
+def test_a_forked_child_sigtermed_neither_wakes_nor_stops_the_parent(tmp_path: Path) -> None:
+    out = tmp_path / "wrote"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "worker")}
+    done = subprocess.run(
+        [sys.executable, "-c", FORKER, str(out)],
+        check=False,
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done
+    assert done.stdout.decode().split("\n")[:2] == [f"child {-signal.SIGTERM}", "parent alive"]
+    assert not out.exists()

@@ -156,7 +156,32 @@ def install(on_stop: Callable[[], None], hold: Callable[[], bool] = _never) -> O
     signal.signal(signal.SIGTERM, watch.handler)
     watch.start()
     _WATCH = watch
+    global _FORK_HOOK  # noqa: PLW0603 - once per process
+    if not _FORK_HOOK:
+        os.register_at_fork(after_in_child=_in_child)
+        _FORK_HOOK = True
     return watch
+
+
+_FORK_HOOK = False
+
+
+def _in_child() -> None:
+    """A forked child (a DataLoader worker) inherits the wakeup fd, our pipe, but not our
+    thread: a SIGTERM to the child would wake the parent's thread, which would write and exit
+    the parent. The child forgets the watch: the wakeup fd released, SIGTERM's handler back to
+    the script's (or the default)."""
+    global _WATCH
+    watch, _WATCH = _WATCH, None
+    if watch is None:
+        return
+    with contextlib.suppress(ValueError):  # forked from another thread: not ours to set
+        signal.set_wakeup_fd(-1)
+        if signal.getsignal(signal.SIGTERM) == watch.handler:
+            signal.signal(signal.SIGTERM, watch.previous)
+    for fd in (watch.read_fd, watch.write_fd):
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def uninstall() -> None:
