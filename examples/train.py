@@ -162,7 +162,10 @@ def inject_faults(args: argparse.Namespace, pod: str | None, step: int) -> None:
         marker = crash_marker(args.ckpt_dir, args.crash_once_on_pod)
         if step >= args.crash_step and not marker.exists():
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+            try:  # once per job: of a pod's local ranks, the first to get here
+                marker.touch(exist_ok=False)
+            except FileExistsError:
+                return
             time.sleep(args.crash_delay)
             say(f"crash pod={pod} step={step}")
             os._exit(1)

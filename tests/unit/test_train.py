@@ -266,3 +266,17 @@ def test_each_phase_of_a_ddp_step_is_marked_for_the_agent(
     ]  # fmt: skip
     since = [r.since for r in phases if r is not None]
     assert since == sorted(since)
+
+
+def test_a_checkpoint_also_snapshots_its_step_so_no_older_snapshot_wins_over_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "rank0.snap"
+    state = make_state(path, checkpoint=tmp_path / "ckpt.pt", every=1000)
+    train(state, 7)
+    assert newest(SnapshotFile.open(path)).step == 1  # type: ignore[union-attr]
+    assert state.save_checkpoint()
+    # The restore prefers any snapshot to the file: the snapshots must not be older than it.
+    assert newest(SnapshotFile.open(path)).step == 7  # type: ignore[union-attr]
+    again = make_state(path, checkpoint=tmp_path / "ckpt.pt", every=1000)
+    assert again.restore().step == 7

@@ -650,6 +650,10 @@ class TrainState:
         if self.checkpoint is None:
             raise ValueError("save_checkpoint needs TrainState(checkpoint=<path>)")
         self.flush()  # the snapshot of this step first (and its failure, if it failed)
+        if self._writer is not None and self._snapped < self.step_no:
+            # Every rank holds the checkpoint's step in memory too: the restore prefers a
+            # snapshot to the file, and one older than the file would lose steps.
+            self._write_held(self.step_no, "a checkpoint")
         if _rank_world()[0] != 0:
             return False
         path = self.checkpoint
