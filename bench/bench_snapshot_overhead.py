@@ -58,11 +58,6 @@ def width(model: nn.Module) -> int:
     return int(first.in_features)
 
 
-def _stat(state: TrainState, name: str) -> float:
-    """A TrainState timing that older versions do not have (0 there)."""
-    return float(getattr(state, name, 0.0))
-
-
 MODES = ("plain", "nosnap", "every", "auto")
 
 

@@ -116,6 +116,18 @@ def blocked(group: Group, rank: int) -> None:
     time.sleep(0.5)  # the other rank is in the all-reduce by now (it waits there for this one)
 
 
+def stalled(tmp_path: Path, where: str) -> Group:
+    """Two ranks, rank 1 stuck in step 10 (``where``: before its backward, or after its
+    ``optimizer.step``), rank 0 waiting for it in the all-reduce."""
+    group = Group(tmp_path, 2, "--block-at", "10", "--block-rank", "1", "--where", where)
+    try:
+        blocked(group, 1)
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
 def _died(group: Group) -> bool:
     return any(proc.poll() is not None for proc in group.procs)
 
@@ -123,11 +135,8 @@ def _died(group: Group) -> bool:
 def test_a_rank_stopped_in_the_all_reduce_writes_its_committed_step_as_does_its_peer(
     tmp_path: Path,
 ) -> None:
-    group = Group(
-        tmp_path, 2, "--block-at", "10", "--block-rank", "1", "--where", "before-backward"
-    )
+    group = stalled(tmp_path, "before-backward")
     try:
-        blocked(group, 1)
         assert group.committed(0) == 10
         assert group.newest(0)[0] == 1  # the periodic snapshot: the first commit's only
         group.procs[0].send_signal(signal.SIGTERM)  # blocked in gloo: no Python handler runs
@@ -146,9 +155,8 @@ def test_a_rank_stopped_in_the_all_reduce_writes_its_committed_step_as_does_its_
 
 
 def test_a_rank_stopped_past_its_optimizer_step_keeps_its_older_snapshot(tmp_path: Path) -> None:
-    group = Group(tmp_path, 2, "--block-at", "10", "--block-rank", "1", "--where", "after-step")
+    group = stalled(tmp_path, "after-step")
     try:
-        blocked(group, 1)
         # Rank 1 applied step 10's update and never commits it: its parameters are neither
         # step 10's nor step 11's. Rank 0 committed step 10 and waits in step 11's all-reduce.
         group.procs[1].send_signal(signal.SIGTERM)
@@ -164,11 +172,8 @@ def test_a_rank_stopped_past_its_optimizer_step_keeps_its_older_snapshot(tmp_pat
 def test_a_rank_whose_peer_dies_under_the_all_reduce_writes_its_step_before_it_raises(
     tmp_path: Path,
 ) -> None:
-    group = Group(
-        tmp_path, 2, "--block-at", "10", "--block-rank", "1", "--where", "before-backward"
-    )
+    group = stalled(tmp_path, "before-backward")
     try:
-        blocked(group, 1)
         group.procs[1].kill()  # SIGKILL: its sockets close, rank 0's all-reduce fails
         code = group.procs[0].wait(60)
         assert code not in (0, onstop.EXIT_CODE), group.text(0)  # the error, raised

@@ -71,6 +71,15 @@ def processes(pcontext: Any) -> list[subprocess.Popen[bytes]]:
     return [handler.proc for handler in handlers.values()]
 
 
+def _saving(procs: Iterable[subprocess.Popen[bytes]]) -> list[int]:
+    """The pids of ``procs`` that say they are saving (``ddpjob_worker.saving``'s marker)."""
+    return [
+        proc.pid
+        for proc in procs
+        if (path := saving_marker(proc.pid)) is not None and path.exists()
+    ]
+
+
 def wait_saves(procs: Iterable[subprocess.Popen[bytes]], limit: float) -> None:
     """Before stopping workers, let those writing a checkpoint (inside
     ``ddpjob_worker.saving()``) finish it, for up to ``limit`` seconds."""
@@ -78,13 +87,7 @@ def wait_saves(procs: Iterable[subprocess.Popen[bytes]], limit: float) -> None:
     deadline = time.monotonic() + limit
     told = False
     while True:
-        busy = [
-            proc.pid
-            for proc in procs
-            if proc.poll() is None
-            and (path := saving_marker(proc.pid)) is not None
-            and path.exists()
-        ]
+        busy = _saving(proc for proc in procs if proc.poll() is None)
         if not busy:
             return
         if time.monotonic() >= deadline:
@@ -120,11 +123,7 @@ def terminate(procs: Iterable[subprocess.Popen[bytes]], limit: float, grace: flo
     told = False
     while procs:
         procs = [proc for proc in procs if proc.poll() is None]
-        busy = [
-            proc.pid
-            for proc in procs
-            if (path := saving_marker(proc.pid)) is not None and path.exists()
-        ]
+        busy = _saving(procs)
         now = time.monotonic()
         if busy:
             deadline = max(deadline, now + limit)
