@@ -23,7 +23,7 @@ forward and backward run, and the next ``optimizer.step`` waits for that copy
 ``TrainState(background=False)`` writes every snapshot whole at the commit.
 
 When: a commit writes a snapshot every ``snapshot_every`` steps, by default as often as keeps
-them at about 1 % of the step time (:mod:`ddpjob_worker.cadence`), and the steps in between
+them at about 0.5 % of the step time (:mod:`ddpjob_worker.cadence`), and the steps in between
 are not lost for it, because a worker writes the step it has committed when
 
 * **it is stopped** (SIGTERM, from ddpjob-agent or torchrun: its group broke, a peer hangs, the
@@ -281,7 +281,7 @@ class TrainState:
         that overlaps the next step (True), never (False: every snapshot whole at the commit),
         or from :data:`ddpjob_worker.snapwriter.BACKGROUND_FROM` bytes of state (None).
         ``snapshot_every``: a snapshot every this many committed steps; None (the default)
-        learns the interval that keeps them at about 1 % of the step time
+        learns the interval that keeps them at about 0.5 % of the step time
         (:mod:`ddpjob_worker.cadence`). Either way a worker that is stopped, or whose step
         fails, writes the step it has committed first (see the module doc)."""
         self.model = model
@@ -297,9 +297,7 @@ class TrainState:
         self.snapshots_written = 0
         """Snapshots this process has written (periodic and at stops)."""
         self.generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        self._path: Path | None = path if path is not None else snapshot_path(os.environ)
-        if not snapshots:
-            self._path = None
+        self._path = None if not snapshots else path or snapshot_path(os.environ)
         self._writer: SnapshotWriter | None = None
         if self._path is not None:
             self._writer = SnapshotWriter(self._path, background=background)
@@ -308,9 +306,12 @@ class TrainState:
             optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._pending: int | None = None
         self._cadence = cadence.Cadence(snapshot_every)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         """Guards what a stop's snapshot and the training thread share: the four below,
-        ``step_no`` and the sampler's position."""
+        ``step_no`` and the sampler's position. The training thread takes it bare (a C call)
+        and notifies ``_cond`` only when a stop's thread waits (``_stopping``): a step's
+        bookkeeping is most of what this API costs a small model."""
+        self._cond = threading.Condition(self._lock)
         self._dirty = True
         """The parameters or the optimizer's state may differ from the committed step's:
         ``optimizer.step`` has begun since the last commit, or the restore has not run."""
@@ -355,7 +356,8 @@ class TrainState:
                 self.flush()
                 return
             self._pending = batch.consumed
-            self._mark(Phase.COMPUTE)
+            if self._progress is not None:
+                self._mark(Phase.COMPUTE)
             if self._writer is not None:
                 self._writer.waited = 0.0
             yield batch.indices
@@ -373,53 +375,57 @@ class TrainState:
             self._save_at_stop(0.0, "its step failed", training=True)
 
     def _commit(self) -> None:
+        # Once a step: a commit that writes no snapshot stays a few attribute writes (the
+        # cold caches after a step make every call here cost several times its warm price).
         now = time.perf_counter()
-        with self._cond:
+        writer = self._writer
+        cadence = self._cadence
+        with self._lock:
             if self._pending is not None:
                 self.sampler.advance(self._pending)
                 self._pending = None
             self.step_no += 1
             self._dirty = False
-            self._cond.notify_all()
-            if self._stopping:  # a stop's snapshot writes this step: wait for it
+            stopped = self._stopping
+            if stopped:  # a stop's snapshot waits for this commit, then writes it
+                self._cond.notify_all()
                 while self._stopping:
                     self._cond.wait()
-                stopped = True
             else:
-                stopped = False
-                due = self._writer is not None and self._cadence.due(self.step_no)
+                due = writer is not None and cadence.due(self.step_no)
                 self._writing = due
-        if stopped:
-            self._release()
-            return
-        if self._committed_at is not None:
-            self._cadence.stepped(now - self._committed_at)
-        writer = self._writer
-        if self._cadence.waiting and writer is not None and not writer.busy:
-            # A slot's first fill faults its pages in: not what the next snapshots cost.
-            self._cadence.copied(
-                writer.background_cpu_seconds if writer.deferred else 0.0,
-                count=not writer.first_fill,
-            )
-        if due:
-            self._mark(Phase.SNAPSHOT)
-            try:
-                self.snapshot()
-            finally:
-                with self._cond:
-                    self._writing = False
-                    self._cond.notify_all()
-            self._cadence.wrote(self.step_no, self.snapshot_seconds)
-        else:
-            self._mark(Phase.COMMIT)
-            if self._writer is not None:
-                self._hold()
-        self._committed_at = time.perf_counter()
-        self._release()
-
-    def _release(self) -> None:
+        if not stopped:
+            if self._committed_at is not None:
+                cadence.stepped(now - self._committed_at)
+            if writer is not None:
+                if cadence.waiting and not writer.busy:
+                    # A slot's first fill faults its pages in: not what the next ones cost.
+                    cadence.copied(
+                        writer.background_cpu_seconds if writer.deferred else 0.0,
+                        count=not writer.first_fill,
+                    )
+                if due:
+                    self._snapshot_at_commit()
+                else:
+                    if self._progress is not None:
+                        self._mark(Phase.COMMIT)
+                    self._hold()
+            elif self._progress is not None:
+                self._mark(Phase.COMMIT)
+            self._committed_at = time.perf_counter()
         if self._onstop is not None and self._onstop.pending is not None:
             self._onstop.release()  # the script's SIGTERM handler, held while the step ran
+
+    def _snapshot_at_commit(self) -> None:
+        self._mark(Phase.SNAPSHOT)
+        try:
+            self.snapshot()
+        finally:
+            with self._lock:
+                self._writing = False
+                if self._stopping:
+                    self._cond.notify_all()
+        self._cadence.wrote(self.step_no, self.snapshot_seconds)
 
     # -- the snapshot's timings and waits ----------------------------------------------------
 
@@ -455,7 +461,7 @@ class TrainState:
                 self._writer.flush()
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        with self._cond:
+        with self._lock:
             while self._stopping:  # a stop's snapshot reads the parameters now
                 self._cond.wait()
             self._dirty = True
