@@ -1,14 +1,17 @@
-"""Benchmark: what a snapshot after every step costs a training step (issue 36's overhead goal).
+"""Benchmark: what the snapshots cost a training step (issue 36's overhead goal).
 
-One process, one rank (gloo, world 1), a DDP model with AdamW and random data, trained three
-ways in alternating blocks of ``--block`` steps so that all see the same machine: the plain loop
-(``plain``), the same loop on ``ddpjob_worker.train.TrainState`` with ``snapshots=False``
-(``nosnap``: ddpjob without snapshots, the sampler and the step's bookkeeping only), and on
-``TrainState`` with a snapshot in ``/dev/shm`` after every committed step (``snap``). It prints
-the median step time of each, the ratios of ``snap`` to both baselines, and the snapshot's own
-times: what the commit itself took on the training thread (``snapshot``), the copy and
-checksum that ran in the background (``background``, when the TrainState has one) and how long
-the next ``optimizer.step`` waited for that copy (``wait``).
+One process, one rank (gloo, world 1), a DDP model with AdamW and random data, trained five
+ways in alternating blocks of ``--block`` steps so that all see the same machine: the bare loop
+(``plain``: a fixed batch, no sampler at all), the plain loop as a script writes it (``sampler``:
+torch's ``DistributedSampler`` in a ``BatchSampler`` hands it each step's indices), the same
+loop on ``ddpjob_worker.train.TrainState`` with ``snapshots=False`` (``nosnap``: ddpjob without
+snapshots, its sampler and the step's bookkeeping only), with a snapshot in ``/dev/shm`` after
+every committed step (``every``: the previous version) and with the default cadence (``auto``:
+a snapshot as often as ``ddpjob_worker.cadence`` allows, the steps in between written at a
+stop). No mode uses its indices (the batch is the same tensor), so what differs is the
+bookkeeping. It prints the mean step time of each (a snapshot every few steps shows only in
+the mean), the ratios of ``auto`` to the baselines, and the snapshot's own times: what the
+commit took on the training thread and the background copy's.
 
 Models: ``toy`` (``tests/integration/snap_train.py``'s: 16 -> 32 -> 1, Adam's state included a
 few KB), ``100m`` (six 4,096 x 4,096 linear layers with biases: 100.7 M parameters, about
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import BatchSampler, DistributedSampler
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "worker"))
@@ -58,38 +62,54 @@ def width(model: nn.Module) -> int:
     return int(first.in_features)
 
 
-MODES = ("plain", "nosnap", "every", "auto")
+MODES = ("plain", "sampler", "nosnap", "every", "auto")
+
+
+class Run:
+    """One mode's model and optimizer: its own, so that no mode pays another's optimizer
+    hooks (a TrainState with snapshots registers one) and each goes on from its own last step."""
+
+    def __init__(self, name: str, data: torch.Tensor) -> None:
+        torch.manual_seed(0)
+        self.model = DistributedDataParallel(MODELS[name]())
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.data = data
+
+    def step(self) -> None:
+        loss = self.model(self.data).pow(2).mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
 
 
 def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[str, Any]:
-    torch.manual_seed(0)
-    net = MODELS[name]()
-    model = DistributedDataParallel(net)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = torch.randn(batch, width(net))
+    data = torch.randn(batch, width(MODELS[name]()))
     samples = batch * (steps + 2 * block + 4)
+    runs = {mode: Run(name, data) for mode in MODES}
 
-    def make(**kwargs: Any) -> TrainState:
+    def make(mode: str, **kwargs: Any) -> TrainState:
         return TrainState(
-            model=model,
-            optimizer=opt,
+            model=runs[mode].model,
+            optimizer=runs[mode].optimizer,
             sampler=ElasticSampler(samples, batch_size=batch, seed=0),
             **kwargs,
         )
 
-    # All share the model and optimizer: each block goes on from where the last one left them.
     states = {
-        "nosnap": make(snapshots=False),
-        "every": make(path=shm / f"{name}.every.snap", snapshot_every=1),
-        "auto": make(path=shm / f"{name}.auto.snap"),
+        "nosnap": make("nosnap", snapshots=False),
+        "every": make("every", path=shm / f"{name}.every.snap", snapshot_every=1),
+        "auto": make("auto", path=shm / f"{name}.auto.snap"),
     }
     loops = {mode: state.batches() for mode, state in states.items()}
-
-    def one_step() -> None:
-        loss = model(data).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    # The plain loop as a script writes it: torch's own sampler hands it the step's indices.
+    batches = iter(
+        BatchSampler(
+            # It reads only len() of its dataset: a range stands for one.
+            DistributedSampler(range(samples), num_replicas=1, rank=0, seed=0),  # type: ignore[arg-type]
+            batch,
+            drop_last=True,
+        )
+    )
 
     def settle() -> None:
         # Between blocks, outside the timings: a background copy still running belongs to
@@ -100,19 +120,25 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     written: dict[str, list[float]] = {"every": [], "auto": []}
     background: dict[str, list[float]] = {"every": [], "auto": []}
-    one_step()  # warm every path up: allocations, AdamW's state, the snapshot files
-    for mode, first in states.items():
-        next(loops[mode])
-        with first.step():
-            one_step()
+    # Warm every path up: allocations, AdamW's state, the snapshot files.
+    for mode in MODES:
+        if mode in states:
+            next(loops[mode])
+            with states[mode].step():
+                runs[mode].step()
+        else:
+            runs[mode].step()
     settle()
     while len(times["auto"]) < steps:
         for mode in MODES:
             state: TrainState | None = states.get(mode)
+            one_step = runs[mode].step
             for _ in range(block):
                 count = 0 if state is None else state.snapshots_written
                 started = time.perf_counter()
                 if state is None:
+                    if mode == "sampler":
+                        next(batches)
                     one_step()
                 else:
                     next(loops[mode])
@@ -124,7 +150,7 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
             settle()
             if state is not None and mode in background:
                 background[mode].append(state.background_seconds)  # the block's last copy
-    params = sum(p.numel() for p in net.parameters())
+    params = sum(p.numel() for p in runs["plain"].model.parameters())
     # Means, not medians: a snapshot every few steps shows in the mean only.
     mean = {mode: statistics.fmean(times[mode]) for mode in MODES}
     auto = states["auto"]
@@ -137,6 +163,7 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
         **{f"{mode}_step_s": mean[mode] for mode in MODES},
         "every_vs_plain": mean["every"] / mean["plain"],
         "auto_vs_plain": mean["auto"] / mean["plain"],
+        "auto_vs_sampler": mean["auto"] / mean["sampler"],
         "auto_vs_nosnap": mean["auto"] / mean["nosnap"],
         "auto_vs_every": mean["auto"] / mean["every"],
         "auto_interval": auto.snapshot_interval,
@@ -173,19 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     dist.destroy_process_group()
     print()
     print(
-        "| model | params | threads | plain | no snapshots | every step | auto (interval) "
-        "| every step vs plain | **auto vs plain** | auto vs no snapshots | snapshot at the "
-        "commit | in the background | file |"
+        "| model | params | threads | plain | plain + torch's sampler | no snapshots "
+        "| every step | auto (interval) | every step vs plain | **auto vs plain** "
+        "| **auto vs plain + sampler** | auto vs no snapshots | snapshot at the commit "
+        "| in the background | file |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms = {k: r[k] * 1000 for k in r if k.endswith("_s")}
         print(
             f"| {r['model']} | {r['params']:,} | {r['threads']} "
-            f"| {ms['plain_step_s']:.3f} ms | {ms['nosnap_step_s']:.3f} ms "
+            f"| {ms['plain_step_s']:.3f} ms | {ms['sampler_step_s']:.3f} ms "
+            f"| {ms['nosnap_step_s']:.3f} ms "
             f"| {ms['every_step_s']:.3f} ms | {ms['auto_step_s']:.3f} ms "
             f"({r['auto_interval']}) | {r['every_vs_plain']:.3f}x | **{r['auto_vs_plain']:.3f}x** "
-            f"| {r['auto_vs_nosnap']:.3f}x | {ms['snapshot_s']:.2f} ms "
+            f"| **{r['auto_vs_sampler']:.3f}x** | {r['auto_vs_nosnap']:.3f}x "
+            f"| {ms['snapshot_s']:.2f} ms "
             f"| {ms['background_s']:.2f} ms | {r['snapshot_file_bytes'] / 2**20:.0f} MiB |"
         )
     if args.json:
