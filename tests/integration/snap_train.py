@@ -2,9 +2,12 @@
 ``test_train_restore``. Parseable, flushed lines::
 
     SNAP start rank=<r> pid=<p> restart=<n> dir=<DDPJOB_SNAPSHOT_DIR>
-    SNAP resumed rank=<r> step=<s> source=<rank|none> local=<0|1>
-    SNAP committed rank=<r> step=<s> ms=<snapshot write ms>
+    SNAP resumed rank=<r> step=<s> source=<rank|none> local=<0|1> sum=<state checksum>
+    SNAP committed rank=<r> step=<s> ms=<snapshot write ms> sum=<state checksum>
     SNAP done rank=<r> step=<s> sum=<model checksum>
+
+The state checksum (:func:`state_sum`) covers the model and the optimizer's state: a restored
+step's must equal the one the job had when it committed that step.
 
 ``--drop-on-restart R``: on a restart, local rank R deletes its snapshot file first (it must
 then receive the state from another rank).
@@ -16,6 +19,10 @@ finds PATH made trains on.
 ``--snapshot-every N``: a periodic snapshot every N steps (default: learned; for this model's
 0.05-0.1 s steps that is every step), so that a large N leaves the steps since the last one to
 the write at the stop.
+
+``--find-unused``: ``DistributedDataParallel(find_unused_parameters=True)``, whose buckets are
+never rebuilt: with three ranks or more, the only way a restarted process sums the gradients
+in the order the first one did, so that its run is bitwise the run without a restart.
 
 ``--background on|off``: copy the parameters and the optimizer's state on the snapshot's
 background thread whatever their size, or never (default: by size; this model is small enough
@@ -29,6 +36,7 @@ import contextlib
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -36,12 +44,29 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpjob_worker.train import ElasticSampler, TrainState, model_checksum, snapshot_path
+from ddpjob_worker.train import (
+    ElasticSampler,
+    TrainState,
+    model_checksum,
+    snapshot_path,
+    tensor_bytes,
+)
 
 
 def say(line: str) -> None:
     sys.stdout.write(f"SNAP {line}\n")  # one write: the two workers share the log
     sys.stdout.flush()
+
+
+def state_sum(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """CRC-32 of the model's state, then of the optimizer's (its entries in order)."""
+    crc = model_checksum(model)
+    for _, entry in sorted(optimizer.state_dict()["state"].items()):
+        for key, value in sorted(entry.items()):
+            crc = zlib.crc32(key.encode(), crc)
+            data = tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode()
+            crc = zlib.crc32(data, crc)
+    return crc
 
 
 def main() -> None:
@@ -55,6 +80,7 @@ def main() -> None:
     parser.add_argument("--hang-marker", type=Path)
     parser.add_argument("--background", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--snapshot-every", type=int, help="TrainState(snapshot_every=...)")
+    parser.add_argument("--find-unused", action="store_true")
     args = parser.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -68,7 +94,7 @@ def main() -> None:
         snapshot_path(os.environ).unlink(missing_ok=True)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    model = DistributedDataParallel(net)
+    model = DistributedDataParallel(net, find_unused_parameters=args.find_unused)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     data = torch.randn(4096, 16, generator=torch.Generator().manual_seed(1))
     ballast = {"ballast": torch.zeros(args.ballast_mb << 18)} if args.ballast_mb else {}
@@ -85,7 +111,7 @@ def main() -> None:
             source = "none" if state.restored.source is None else state.restored.source
             say(
                 f"resumed rank={rank} step={state.step_no} source={source} "
-                f"local={int(state.restored.local)}"
+                f"local={int(state.restored.local)} sum={state_sum(model, opt)}"
             )
         if state.step_no >= args.steps:
             break
@@ -101,7 +127,10 @@ def main() -> None:
             loss.backward()
             opt.step()
             time.sleep(args.step_sleep)
-        say(f"committed rank={rank} step={state.step_no} ms={state.snapshot_seconds * 1000:.2f}")
+        say(
+            f"committed rank={rank} step={state.step_no} ms={state.snapshot_seconds * 1000:.2f} "
+            f"sum={state_sum(model, opt)}"
+        )
     say(f"done rank={rank} step={state.step_no} sum={model_checksum(model)}")
     dist.destroy_process_group()
 

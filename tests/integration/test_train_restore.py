@@ -99,6 +99,10 @@ def test_a_killed_worker_resumes_from_the_survivors_snapshot(tmp_path: Path) -> 
     assert before - 1 <= step <= before + 1, (before, step)
     assert resumed["0"]["source"] == resumed["1"]["source"] == "0"
     assert (resumed["0"]["local"], resumed["1"]["local"]) == ("1", "0")  # rank 1 received it
+    # The state both resumed with (model and optimizer, read or received) is the one the
+    # ranks had when they committed that step before the kill.
+    had = {c["sum"] for c in lines(log, "committed") if int(c["step"]) == step}
+    assert len(had) == 1 and {resumed["0"]["sum"], resumed["1"]["sum"]} == had, (had, resumed)
     done = lines(log, "done")
     assert [d["step"] for d in done] == ["30", "30"], text
     assert done[0]["sum"] == done[1]["sum"]
@@ -144,6 +148,8 @@ def test_a_worker_hung_in_user_code_ends_the_round_once_and_the_job_resumes_at_i
     resumed = [r for r in records(text, "resumed") if r["source"] != "none"]
     assert resumed, cluster.logs()
     assert {int(r["step"]) for r in resumed} == {10}, resumed  # no step lost, none redone twice
+    had = {c["sum"] for c in records(first, "committed") if c["step"] == "10"}
+    assert len(had) == 1 and {r["sum"] for r in resumed} == had, (had, resumed)
     done = records(text, "done")
     assert {d["step"] for d in done} == {"40"}, cluster.logs()
     assert len({d["sum"] for d in done}) == 1  # the same model on every rank
