@@ -222,12 +222,13 @@ def run_once(mode: str, fault: str, args: argparse.Namespace, rng: random.Random
         done = [max(committed(mode, n.text()), default=0) for n in survivors]
         result["outcome"] = "ok" if all(d >= steps for d in done) else "unfinished"
         if mode == "ddpjob":
-            # The states workers resumed with at a step the job had before the fault.
+            # The states workers resumed with at a step the job had before the fault (one
+            # more than the newest logged: a worker killed between its commit and its log).
             result["resumed_states"] = [
                 (int(r["step"]), r["sum"])
                 for n in nodes
                 for r in snap_records(n.text(), "resumed")
-                if 0 < int(r["step"]) <= before
+                if 0 < int(r["step"]) <= before + 1
             ]
             if fault == "none":
                 records = snap_records(nodes[0].text(), "committed")
