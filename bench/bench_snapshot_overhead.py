@@ -18,6 +18,11 @@ few KB), ``100m`` (six 4,096 x 4,096 linear layers with biases: 100.7 M paramete
 1.2 GB of state with AdamW's two moments). ``--batch`` sets the rows per step: the snapshot's
 cost is fixed by the model's size, the step's grows with the batch.
 
+``--shared`` has all modes train one model and optimizer: for ``100m`` each mode's own 1.6 GB
+of state lands differently in memory, which shows as several percent between modes doing the
+same work; shared, the TrainStates' optimizer hooks run in every mode (microseconds, which
+matter for ``toy`` only).
+
 ``--threads N`` sets ``torch.set_num_threads(N)`` for the training (default: torch's own, one
 per core): ``--threads 1`` on this 2-core machine leaves a core free, as a GPU node's CPUs are
 while its GPU trains.
@@ -67,7 +72,8 @@ MODES = ("plain", "sampler", "nosnap", "every", "auto")
 
 class Run:
     """One mode's model and optimizer: its own, so that no mode pays another's optimizer
-    hooks (a TrainState with snapshots registers one) and each goes on from its own last step."""
+    hooks (a TrainState with snapshots registers one) and each goes on from its own last step;
+    with ``--shared`` one for all modes."""
 
     def __init__(self, name: str, data: torch.Tensor) -> None:
         torch.manual_seed(0)
@@ -82,10 +88,16 @@ class Run:
         self.optimizer.step()
 
 
-def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[str, Any]:
+def measure(
+    name: str, steps: int, block: int, batch: int, shm: Path, *, shared: bool = False
+) -> dict[str, Any]:
     data = torch.randn(batch, width(MODELS[name]()))
     samples = batch * (steps + 2 * block + 4)
-    runs = {mode: Run(name, data) for mode in MODES}
+    if shared:
+        one = Run(name, data)
+        runs = dict.fromkeys(MODES, one)
+    else:
+        runs = {mode: Run(name, data) for mode in MODES}
 
     def make(mode: str, **kwargs: Any) -> TrainState:
         return TrainState(
@@ -159,6 +171,7 @@ def measure(name: str, steps: int, block: int, batch: int, shm: Path) -> dict[st
         "params": params,
         "batch": batch,
         "threads": torch.get_num_threads(),
+        "shared": shared,
         "steps": len(times["auto"]),
         **{f"{mode}_step_s": mean[mode] for mode in MODES},
         "every_vs_plain": mean["every"] / mean["plain"],
@@ -183,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for the training")
+    parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="all modes train one model and optimizer (each mode's own 1.6 GB of state for "
+        "100m lands differently in memory, which shows as several percent; shared, the "
+        "TrainStates' optimizer hooks run in every mode: microseconds)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.threads:
@@ -194,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="ddpjob-bench-", dir="/dev/shm") as shm:
         for name in args.model or ["toy", "100m"]:
-            result = measure(name, args.steps, args.block, args.batch, Path(shm))
+            result = measure(
+                name, args.steps, args.block, args.batch, Path(shm), shared=args.shared
+            )
             print(json.dumps(result), flush=True)
             results.append(result)
     dist.destroy_process_group()
