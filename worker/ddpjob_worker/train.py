@@ -397,21 +397,19 @@ class TrainState:
         if not stopped:
             if self._committed_at is not None:
                 cadence.stepped(now - self._committed_at)
-            if writer is not None:
-                if cadence.waiting and not writer.busy:
-                    # A slot's first fill faults its pages in: not what the next ones cost.
-                    cadence.copied(
-                        writer.background_cpu_seconds if writer.deferred else 0.0,
-                        count=not writer.first_fill,
-                    )
-                if due:
-                    self._snapshot_at_commit()
-                else:
-                    if self._progress is not None:
-                        self._mark(Phase.COMMIT)
+            if writer is not None and cadence.waiting and not writer.busy:
+                # A slot's first fill faults its pages in: not what the next ones cost.
+                cadence.copied(
+                    writer.background_cpu_seconds if writer.deferred else 0.0,
+                    count=not writer.first_fill,
+                )
+            if due:
+                self._snapshot_at_commit()
+            else:
+                if self._progress is not None:
+                    self._mark(Phase.COMMIT)
+                if writer is not None:
                     self._hold()
-            elif self._progress is not None:
-                self._mark(Phase.COMMIT)
             self._committed_at = time.perf_counter()
         if self._onstop is not None and self._onstop.pending is not None:
             self._onstop.release()  # the script's SIGTERM handler, held while the step ran
