@@ -57,6 +57,9 @@ HUB_KEY = "hub"
 """The run's key under which the store's host names where its hub listens."""
 HOSTED_WAIT_SECONDS = 5.0
 WAIT_POLL_SECONDS = 0.1
+HOST_CONNECT = timedelta(seconds=30)
+"""How long the store's host gives its own client to connect: above a resolver's stall
+(glibc: 2 tries of 5 s), after which torch stops naming addresses for the process."""
 
 
 def node_repr(addr: str, incarnation: int) -> NodeRepr:
@@ -336,15 +339,19 @@ class HubBackend:
         host, _, port = params.endpoint.rpartition(":")
         read = timedelta(seconds=float(params.config.get("read_timeout", 60)))
         try:
+            # The host's own client connects within HOST_CONNECT, then waits on reads as
+            # every member does: torch names the address it connects to (getnameinfo) and a
+            # resolver that does not answer holds that for 2 x 5 s before the connect begins.
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 host.strip("[]"),
                 int(port),
                 is_master=True,
-                timeout=read,
+                timeout=max(read, HOST_CONNECT),
                 wait_for_workers=False,
                 multi_tenant=True,
                 use_libuv=True,
             )
+            store.set_timeout(read)
         except (RuntimeError, ValueError) as exc:
             raise RendezvousConnectionError(
                 f"could not host the store at {params.endpoint}: {exc}"

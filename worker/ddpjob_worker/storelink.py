@@ -37,7 +37,7 @@ from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.endpoint import wait_for_endpoint
 from ddpjob_worker.errors import EndpointUnreachableError, StoreSilentError
 from ddpjob_worker.failover import StoreAnswer, StoreView, SupersededError
-from ddpjob_worker.hubrdzv import HubBackend, HubRendezvousHandler, stop_hub
+from ddpjob_worker.hubrdzv import HOST_CONNECT, HubBackend, HubRendezvousHandler, stop_hub
 from ddpjob_worker.keys import HOSTED
 from ddpjob_worker.liveness import Health
 from ddpjob_worker.nodes import NodeIdent, ident
@@ -54,10 +54,11 @@ from ddpjob_worker.watch import RoundControl, RoundView
 
 logger = logging.getLogger("ddpjob_worker.storelink")
 
-HOST_BIND_SECONDS = 10.0
+HOST_BIND_SECONDS = HOST_CONNECT.total_seconds() + 15.0
+"""How long hosting a new generation's store may take on one port (its client's connect, then
+its hub's start)."""
 SUPERSEDED_LOOK_SECONDS = 3.0
 """While we wait for a lost store to come back, how often we ask whether another supersedes it."""
-"""How long hosting a new generation's store may take on one port."""
 _PendingLook = tuple["concurrent.futures.Future[StoreAnswer | None]", str | None]
 """A look for a newer store (:meth:`StoreLink._newer_store`) and the store it started from."""
 
@@ -234,7 +235,13 @@ class StoreLink:
             logger.warning("nobody of the last round is left to host the store")
             return False
         if isinstance(outcome, failover.Host):
-            self._host_new_generation(outcome.succession, round_)
+            try:
+                self._host_new_generation(outcome.succession, round_)
+            except EndpointUnreachableError as exc:
+                # Nothing was hosted: the job may still go on at the endpoint (the old host's
+                # replacement hosts there), so wait for it rather than end the agent.
+                logger.warning("%s: waiting for the store at the endpoint instead", exc)
+                return False
         else:
             self._join_newer(outcome.found, deadline)
         return True
