@@ -1181,6 +1181,7 @@ class Kubelet:
                 shutil.move(pod.dir / "logs", kept / "logs")
         shutil.rmtree(pod.dir, ignore_errors=True)
         if pod.netns is not None:
+            network.remove_port(self.config.octet, pod.ip)
             self.addresses.give_back(pod.ip)
         self.pods.pop(pod.uid, None)
         log.info("forgot %s/%s (%s)", pod.namespace, pod.name, pod.uid)
