@@ -181,6 +181,9 @@ def control_plane_report(item: pytest.Item, report: pytest.TestReport) -> None:
     if cluster is None or not report.failed or "kube_cluster" not in names:
         return
     report.sections.append(("control plane (last lines of each log)", cluster.tails(25)))
+    test = getattr(item, "funcargs", {}).get("kube")
+    if isinstance(test, KubeTest):
+        report.sections.append(("this test's operators and pods (last lines)", test.tails(40)))
 
 
 @dataclasses.dataclass
@@ -203,6 +206,27 @@ class KubeTest:
         self.api = self.cluster.admin()
         self.audit_offset = self.cluster.audit_size()
         """Where this test's part of the audit log begins."""
+
+    def tails(self, lines: int) -> str:
+        """The last ``lines`` of each operator's log and of each container log of the test's
+        pods, the forgotten ones' too (a failed test's evidence: CI keeps no files)."""
+        logs = [run.log for run in self.operators]
+        for namespace in [self.namespace, *self.namespaces]:
+            uids = set()
+            with contextlib.suppress(ApiError, OSError):
+                pods = self.api.get(f"/api/v1/namespaces/{namespace}/pods")
+                uids = {p["metadata"]["uid"] for p in pods.get("items") or []}
+            nodes = self.cluster.workdir / "nodes"
+            logs += sorted(nodes.glob(f"*/gone/{namespace}_*/logs/*/*.log"))
+            logs += sorted(log for uid in uids for log in nodes.glob(f"*/pods/{uid}/logs/*/*.log"))
+        parts = []
+        for log in logs:
+            try:
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+            except OSError as exc:
+                tail = [f"(unreadable: {exc})"]
+            parts.append(f"---- {log}\n" + "\n".join(tail))
+        return "\n".join(parts) or "(no operator or pod logs)"
 
     # ---- namespaces ----------------------------------------------------------------------
 
