@@ -127,6 +127,20 @@ def phase_events(old: JobPhase, new: JobPhase, running: int, desired: int) -> li
     return [Event(kind, new.value, f"{running} of {desired} pods running (was {old})")]
 
 
+def room_for_store_host(deleted: Sequence[str]) -> list[Event]:
+    """Pods deleted so that pod 0, the first store's host, gets the room they took."""
+    if not deleted:
+        return []
+    return [
+        Event(
+            "Warning",
+            "StoreHostUnplaced",
+            f"pod 0 hosts the rendezvous store and waits for room, which pods beyond "
+            f"minReplicas took: deleting {some(deleted)} (created again once pod 0 is placed)",
+        )
+    ]
+
+
 def pods_changed(replicas: int, created: Sequence[str], scaled_down: Sequence[str]) -> list[Event]:
     """The pods a pass creates, and those a scale-down to ``replicas`` deletes."""
     events = []

@@ -108,6 +108,7 @@ from ddpjob_operator.events import (
     failure_events,
     phase_events,
     pods_changed,
+    room_for_store_host,
     waiting_events,
     waiting_summary,
 )
@@ -149,6 +150,9 @@ class DeleteWhy(enum.StrEnum):
     CLEANUP = "Cleanup"
     STUCK = "Stuck"
     """Force-delete a pod stuck Terminating past its bound (``force`` is set)."""
+    STORE_HOST = "StoreHost"
+    """Make room for pod 0, the first store's host, which the scheduler left waiting: the pod
+    is created again once pod 0 is placed (:func:`_store_host_unplaced`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -908,6 +912,9 @@ def _run(facts: _Facts, status: DDPJobStatus, failures: Sequence[PodFailure]) ->
             [a.name for a in actions if isinstance(a, CreatePod)],
             [a.name for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.SCALE_DOWN],
         ),
+        *room_for_store_host(
+            [a.name for a in actions if isinstance(a, DeletePod) and a.why is DeleteWhy.STORE_HOST]
+        ),
         *phase_events(status.phase, phase, running, facts.desired),
     ]
     conditions = _running_conditions(
@@ -971,6 +978,10 @@ def _run_actions(facts: _Facts, status: DDPJobStatus, completing: bool) -> _Plan
         DeletePod(p.name, p.uid, p.index, DeleteWhy.SCALE_DOWN)
         for p in sorted(facts.buckets.surplus, key=lambda p: -p.index)
     ]
+    minimum = job.spec.effective_min
+    unplaced = status.restarts == 0 and _store_host_unplaced(facts.buckets.active, minimum)
+    if unplaced:
+        plan.actions += _room_for_store_host(pods, facts.desired, minimum)
     held = {p.index: p for p in facts.foreign}
     keyed = store_keyed(pods)
     admission = facts.observed.queue
@@ -982,6 +993,9 @@ def _run_actions(facts: _Facts, status: DDPJobStatus, completing: bool) -> _Plan
             continue
         if i in held:
             plan.waiting.append(_held(held[i]))
+            continue
+        if unplaced and i >= minimum:
+            plan.waiting.append(_after_store_host(job, i))
             continue
         backing_off = backoff.waiting_for(job, status, i, now)
         if backing_off is not None and backing_off.retry_time is not None:
@@ -999,6 +1013,48 @@ def _run_actions(facts: _Facts, status: DDPJobStatus, completing: bool) -> _Plan
         )
         plan.actions.append(CreatePod(i, pod))
     return plan
+
+
+def _store_host_unplaced(active: Sequence[ObservedPod], minimum: int) -> bool:
+    """Pod 0 hosts the job's first rendezvous store, and the scheduler left it waiting for room
+    while pods beyond ``minReplicas`` took nodes, before any round formed: those pods wait for
+    its store and nothing trains. Once a round has formed (an agent reports a world size or
+    hosts the store; the caller also asks that no pod has failed yet, for agents that are not
+    asked) a lost pod 0 is not needed: the survivors carry the store on."""
+    first = next((p for p in active if p.index == 0), None)
+    if first is None or first.node is not None or first.waiting_reason != "Unschedulable":
+        return False
+    if any(p.store_host or p.world_size for p in active):
+        return False
+    return any(p.index >= minimum and p.node is not None for p in active)
+
+
+def _room_for_store_host(
+    pods: Sequence[ObservedPod], desired: int, minimum: int
+) -> list[DeletePod]:
+    """While pod 0 waits for room: the waiting pods beyond ``minReplicas`` go (they would take
+    the room first as well as pod 0), and the bound one of highest index, unless an earlier
+    pass made room already (a pod beyond ``minReplicas`` is missing or being deleted)."""
+    beyond = [p for p in pods if minimum <= p.index < desired]
+    waiting = [p for p in beyond if p.live and p.node is None]
+    deletes = [DeletePod(p.name, p.uid, p.index, DeleteWhy.STORE_HOST) for p in waiting]
+    made = any(p.deleting for p in beyond) or len({p.index for p in beyond}) < desired - minimum
+    bound = sorted((p for p in beyond if p.live and p.node is not None), key=lambda p: -p.index)
+    if bound and not made:
+        victim = bound[0]
+        deletes.append(DeletePod(victim.name, victim.uid, victim.index, DeleteWhy.STORE_HOST))
+    return deletes
+
+
+def _after_store_host(job: api.DDPJob, index: int) -> PodWaiting:
+    return PodWaiting(
+        pod=builders.pod_name(job.name, index),
+        reason="StoreHostUnplaced",
+        message=(
+            "pod 0 hosts the job's first rendezvous store and waits for room: pods beyond "
+            "minReplicas are created once it is placed"
+        ),
+    )
 
 
 def store_keyed(pods: Iterable[ObservedPod]) -> bool:

@@ -359,6 +359,87 @@ def test_condition_transition_time_moves_only_on_change() -> None:
     assert running.status == "True" and running.last_transition_time == T0
 
 
+# ---- pod 0, the first store's host, left waiting by the scheduler -------------------------------
+
+NO_ROOM = "0/4 nodes are available: 4 Insufficient cpu."
+
+
+def unplaced(index: int, **kw: Any) -> ObservedPod:
+    return pod(
+        index, PodPhase.PENDING, waiting_reason="Unschedulable", waiting_message=NO_ROOM, **kw
+    )
+
+
+def placed(index: int, **kw: Any) -> ObservedPod:
+    return pod(index, PodPhase.RUNNING, node=f"node-{index}", **kw)
+
+
+def waiting(decision: Decision) -> list[tuple[str, str]]:
+    return [(w.pod, w.reason) for w in decision.status.waiting]
+
+
+def test_pod_0_left_waiting_gets_the_room_of_the_highest_pod_beyond_min_replicas() -> None:
+    """CI's suite saw it: 5 replicas, minReplicas 2, 4 slots; the scheduler bound 3, 1, 4, 2
+    and left pod 0, whose agent hosts the store the others wait for: nothing trained."""
+    job = make_job(replicas=5, minReplicas=2, maxReplicas=5)
+    first = run(job, unplaced(0), placed(1), placed(2), placed(3), placed(4))
+    assert kinds(first) == [("delete", 4, "StoreHost")]
+    [event] = [e for e in first.events if e.reason == "StoreHostUnplaced"]
+    assert "deleting demo-worker-4" in event.message and event.type == "Warning"
+    assert waiting(first) == [("demo-worker-0", "Unschedulable")]
+    assert first.status.restarts == 0 and first.status.failures == []
+
+    # Pod 4 goes: no other pod is deleted for pod 0, and pod 4 is not created again yet.
+    job = make_job(status=first.status, replicas=5, minReplicas=2, maxReplicas=5)
+    going = run(job, unplaced(0), placed(1), placed(2), placed(3), placed(4, deleting=True))
+    assert kinds(going) == []
+    gone = run(job, unplaced(0), placed(1), placed(2), placed(3))
+    assert kinds(gone) == []
+    assert waiting(gone) == [
+        ("demo-worker-0", "Unschedulable"),
+        ("demo-worker-4", "StoreHostUnplaced"),
+    ]
+    assert gone.status.restarts == 0 and gone.status.failures == []
+
+    # Pod 0 is placed: pod 4 is created again (and waits for room, as any fifth pod would).
+    again = run(job, placed(0), placed(1), placed(2), placed(3))
+    assert kinds(again) == [("create", 4, None)]
+
+
+def test_the_waiting_pods_beyond_min_replicas_go_too() -> None:
+    """They would compete with pod 0 for the room made; they are created once it is placed."""
+    job = make_job(replicas=6, minReplicas=2, maxReplicas=6)
+    decision = run(job, unplaced(0), placed(1), placed(2), placed(3), placed(4), unplaced(5))
+    assert kinds(decision) == [("delete", 5, "StoreHost"), ("delete", 4, "StoreHost")]
+
+
+@pytest.mark.parametrize(
+    "pods",
+    [
+        # A round formed: the survivors carry the store on, pod 0 is not needed.
+        (unplaced(0), placed(1, world_size=3), placed(2, world_size=3), placed(3, world_size=3)),
+        (unplaced(0), placed(1, store_host=True), placed(2), placed(3)),
+        # Only pods within minReplicas hold nodes: no room to make.
+        (unplaced(0), placed(1), unplaced(2), unplaced(3)),
+        # Pod 0 waits for something other than room (an image pull), or is placed.
+        (pod(0, PodPhase.PENDING, waiting_reason="ErrImagePull"), placed(1), placed(2), placed(3)),
+        (pod(0, PodPhase.PENDING, node="node-0"), placed(1), placed(2), placed(3)),
+    ],
+)
+def test_no_room_is_made_where_pod_0_is_not_what_the_job_waits_for(
+    pods: tuple[ObservedPod, ...],
+) -> None:
+    job = make_job(replicas=4, minReplicas=2, maxReplicas=4)
+    assert [k for k in kinds(run(job, *pods)) if k[2] == "StoreHost"] == []
+
+
+def test_no_room_is_made_for_a_replacement_pod_0_once_a_pod_has_failed() -> None:
+    """Pod 0 lost while the job trained (its agents not asked: no world reported): the
+    survivors carried the store on, and its replacement waits for room as any pod would."""
+    job = make_job(status=running_status(restarts=1), replicas=4, minReplicas=2, maxReplicas=4)
+    assert kinds(run(job, unplaced(0), placed(1), placed(2), placed(3))) == []
+
+
 # ---- the store key across an operator upgrade ----------------------------------------------------
 
 STORE_KEY_FROM_SECRET = {
