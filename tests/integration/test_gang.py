@@ -316,6 +316,77 @@ def test_an_elastic_gang_trains_at_the_size_the_cluster_has_room_for(
     )
 
 
+def test_pod_0_left_waiting_by_the_scheduler_gets_the_room_of_a_pod_beyond_min_replicas(
+    kube: KubeTest, real: RealEnv
+) -> None:
+    """The wedge of the elastic gang above, made on purpose: the test is the scheduler (the
+    pods name a scheduler of their own; the test binds them as kube-scheduler does, and says
+    ``Unschedulable`` for pod 0 as it says where there is no room). The operator deletes the
+    bound pod of highest index beyond ``minReplicas``, uncharged, holds it while pod 0 waits,
+    and creates it again once pod 0 is placed."""
+    real.start_operator()
+    spec = {
+        "schedulerName": "ddpjob-test-by-hand",
+        "terminationGracePeriodSeconds": 1,
+        "containers": [{"name": "trainer", "image": WORKER_IMAGE}],
+    }
+    real.create_job("wedge", replicas=4, minReplicas=2, maxReplicas=4, template={"spec": spec})
+    names = [f"wedge-worker-{i}" for i in range(4)]
+    wait_for(lambda: all(real.pod(n) for n in names), "4 pods created", 30)
+    nodes = ["node-1", "node-2", "node-3"]
+
+    def bind(name: str, node: str) -> None:
+        kube.api.create(
+            f"/api/v1/namespaces/{kube.namespace}/pods/{name}/binding",
+            {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": name},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+            },
+        )
+
+    for name, node in zip(names[1:], nodes, strict=True):
+        bind(name, node)
+    kube.api.patch(
+        f"/api/v1/namespaces/{kube.namespace}/pods/{names[0]}/status",
+        {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Too many pods.",
+                    }
+                ]
+            }
+        },
+    )
+    old = real.pod(names[3])
+    assert old is not None
+
+    def held() -> JSON | None:
+        status = real.status("wedge")
+        said = [(w["pod"], w["reason"]) for w in status.get("waiting") or []]
+        gone = real.pod(names[3]) is None
+        return status if gone and said == [
+            (names[0], "Unschedulable"), (names[3], "StoreHostUnplaced"),
+        ] else None  # fmt: skip
+
+    status = wait_for(held, "pod 3 deleted and held while pod 0 waits", 60)
+    assert (status.get("restarts", 0), status.get("failures") or []) == (0, [])
+    [event] = real.events(reason="StoreHostUnplaced")
+    assert event["type"] == "Warning" and f"deleting {names[3]}" in event["message"]
+    assert all((real.pod(n) or {})["spec"].get("nodeName") for n in names[1:3])
+
+    bind(names[0], nodes[2])  # pod 3's node, freed
+    new = real.replacement(old, "pod 3 created again once pod 0 is placed", timeout=60)
+    assert not new["spec"].get("nodeName")  # the scheduler's to place, as any 4th pod
+    status = real.status("wedge")
+    assert (status.get("restarts", 0), status.get("failures") or []) == (0, [])
+
+
 def trainer_log(kube: KubeTest, pod: str) -> str:
     return kube.kubectl("logs", pod, "-c", "trainer", check=False).stdout
 
