@@ -211,12 +211,12 @@ class KubeTest:
         """The last ``lines`` of each operator's log and of each container log of the test's
         pods, the forgotten ones' too (a failed test's evidence: CI keeps no files)."""
         logs = [run.log for run in self.operators]
+        nodes = self.cluster.workdir / "nodes"
         for namespace in [self.namespace, *self.namespaces]:
             uids = set()
             with contextlib.suppress(ApiError, OSError):
                 pods = self.api.get(f"/api/v1/namespaces/{namespace}/pods")
                 uids = {p["metadata"]["uid"] for p in pods.get("items") or []}
-            nodes = self.cluster.workdir / "nodes"
             logs += sorted(nodes.glob(f"*/gone/{namespace}_*/logs/*/*.log"))
             logs += sorted(log for uid in uids for log in nodes.glob(f"*/pods/{uid}/logs/*/*.log"))
         parts = []

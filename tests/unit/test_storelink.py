@@ -30,6 +30,7 @@ from ddpjob_worker.seal import Seal
 from ddpjob_worker.state import StateWriter
 from ddpjob_worker.storelink import StoreLink
 from ddpjob_worker.watch import RoundView
+from tests.harness import free_port
 
 
 class Handler:
@@ -64,12 +65,6 @@ class Backend:
         return Handler(f"client of {params.endpoint}")
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def endpoint() -> Iterator[socket.socket]:
     """The old host's replacement: its store accepts at the endpoint."""
@@ -83,7 +78,7 @@ def test_a_survivor_that_cannot_host_the_next_store_waits_for_the_endpoint(
     endpoint: socket.socket, caplog: pytest.LogCaptureFixture
 ) -> None:
     port = endpoint.getsockname()[1]
-    lost = f"127.0.0.1:{closed_port()}"  # the lost host's liveness address: refused, GONE
+    lost = f"127.0.0.1:{free_port()}"  # the lost host's liveness address: refused, GONE
     host, me = NodeRepr("127.0.0.9_9_0"), NodeIdent("127.0.0.1_1")
     round_ = RoundView(
         me=me,

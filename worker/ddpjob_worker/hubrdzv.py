@@ -340,8 +340,9 @@ class HubBackend:
         read = timedelta(seconds=float(params.config.get("read_timeout", 60)))
         try:
             # The host's own client connects within HOST_CONNECT, then waits on reads as
-            # every member does: torch names the address it connects to (getnameinfo) and a
-            # resolver that does not answer holds that for 2 x 5 s before the connect begins.
+            # every member does: torch names the address it connects to (getnameinfo, of its
+            # v4-mapped form, which /etc/hosts' IPv4 line does not match) and a resolver that
+            # does not answer holds that for 2 x 5 s before the connect begins.
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 host.strip("[]"),
                 int(port),
