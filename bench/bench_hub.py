@@ -1,12 +1,12 @@
 """Benchmark: what the membership hub costs per member, this checkout against another.
 
-The hub (``ddpjob_worker.hub``) runs alone in a process of its own, as on the store host's pod;
-N members that speak its wire protocol (hello, join, then a heartbeat every
-``HEARTBEAT_SECONDS``, reading every answer) all run on one event loop in this driver, so the
-hub's process holds nothing but the hub. Once the round of N has formed, the hub process's CPU
-time is read over ``--seconds``: cores used, and microseconds per message in (heartbeats, and
-the acks they cause). The same members then do the same against ``--baseline``'s hub, in the
-same run, alternated run by run, and the table gives the ratio.
+The hub (``ddpjob_worker.membership.hub``) runs alone in a process of its own, as on the store
+host's pod; N members that speak its wire protocol (hello, join, then a heartbeat every
+``HEARTBEAT_SECONDS``, reading every answer) all run on one event loop in this driver, so the hub's
+process holds nothing but the hub. Once the round of N has formed, the hub process's CPU time is
+read over ``--seconds``: cores used, and microseconds per message in (heartbeats, and the acks they
+cause). The same members then do the same against ``--baseline``'s hub, in the same run, alternated
+run by run, and the table gives the ratio.
 
 Usage: ``python bench/bench_hub.py --members 1024 [--baseline /path/to/checkout] [--runs 3]``
 """
@@ -31,9 +31,9 @@ HOST = "127.0.0.1"
 
 def serve(members: int) -> None:
     """The hub's process: a hub for ``members``, its address on stdout, until stdin closes."""
-    from ddpjob_worker.hub import Hub  # noqa: PLC0415 - the checkout PYTHONPATH names
-    from ddpjob_worker.seal import Seal  # noqa: PLC0415
-    from ddpjob_worker.wire import Wire  # noqa: PLC0415
+    from ddpjob_worker.membership.hub import Hub  # noqa: PLC0415 - the checkout PYTHONPATH names
+    from ddpjob_worker.membership.seal import Seal  # noqa: PLC0415
+    from ddpjob_worker.membership.wire import Wire  # noqa: PLC0415
 
     run_id, key = sys.stdin.readline().split()
 
@@ -115,9 +115,9 @@ async def members_run(
 
 def run_once(code: Path, members: int, seconds: float) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "worker"))
-    from ddpjob_worker.hub import HEARTBEAT_SECONDS  # noqa: PLC0415
-    from ddpjob_worker.seal import Seal  # noqa: PLC0415
-    from ddpjob_worker.wire import Wire  # noqa: PLC0415
+    from ddpjob_worker.membership.hub import HEARTBEAT_SECONDS  # noqa: PLC0415
+    from ddpjob_worker.membership.seal import Seal  # noqa: PLC0415
+    from ddpjob_worker.membership.wire import Wire  # noqa: PLC0415
 
     run_id, key = uuid.uuid4().hex, uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": str(code / "worker")}

@@ -7,7 +7,7 @@ torch's ``DistributedSampler`` in a ``BatchSampler`` hands it each step's indice
 loop on ``ddpjob_worker.train.TrainState`` with ``snapshots=False`` (``nosnap``: ddpjob without
 snapshots, its sampler and the step's bookkeeping only), with a snapshot in ``/dev/shm`` after
 every committed step (``every``: the previous version) and with the default cadence (``auto``:
-a snapshot as often as ``ddpjob_worker.cadence`` allows, the steps in between written at a
+a snapshot as often as ``ddpjob_worker.train.cadence`` allows, the steps in between written at a
 stop). No mode uses its indices (the batch is the same tensor), so what differs is the
 bookkeeping. It prints the mean step time of each (a snapshot every few steps shows only in
 the mean), the ratios of ``auto`` to the baselines, and the snapshot's own times: what the
@@ -52,8 +52,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "worker"))
-from ddpjob_worker import cadence  # noqa: E402
-from ddpjob_worker.train import ElasticSampler, TrainState  # noqa: E402
+from ddpjob_worker.train import ElasticSampler, TrainState, cadence  # noqa: E402
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "toy": lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)),

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ddpjob_worker.contract import PET_LOCAL_ADDR, AgentContract, agent_env
-from ddpjob_worker.seal import KEY_ENV
+from ddpjob_worker.membership.seal import KEY_ENV
 from ddpjob_worker.state import AgentState, read_state
 from tests.netns import Fabric
 
@@ -106,10 +106,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def is_idle_spare(pid: int) -> bool:
-    """A warm worker (``ddpjob_worker.warm``) still waiting on its stdin pipe for a worker to
+    """A warm worker (``ddpjob_worker.agent.warm``) still waiting on its stdin pipe for a worker to
     become; once handed a worker its stdin is the agent's (``/dev/null`` in these tests)."""
     try:
-        if b"ddpjob_worker.warm" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"ddpjob_worker.agent.warm" not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return False
         return os.readlink(f"/proc/{pid}/fd/0").startswith("pipe:")
     except OSError:
@@ -364,7 +364,7 @@ class Cluster:
                 full.pop(key, None)
             else:
                 full[key] = value
-        launcher = ["-m", "torch.distributed.run"] if stock else ["-m", "ddpjob_worker.cli"]
+        launcher = ["-m", "torch.distributed.run"] if stock else ["-m", "ddpjob_worker.agent.cli"]
         argv = [sys.executable, *launcher, str(script), *train_args]
         if self.netns:
             if self.fabric is None:

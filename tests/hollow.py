@@ -2,7 +2,7 @@
 that are not processes.
 
 As kubemark's hollow kubelet is a real kubelet that starts no containers, a hollow agent is the
-real ``ddpjob-agent`` (``ddpjob_worker.launch.launch`` with the same settings the operator's env
+real ``ddpjob-agent`` (``ddpjob_worker.agent.launch.launch`` with the same settings the operator's env
 contract gives a pod: its rendezvous through the real c10d TCPStore, the peer watch, store
 failover and fencing), whose workers only "step" on a clock: they never import torch, never
 fork, and are healthy until the agent stops them. ``mode: torch`` runs stock torch instead
@@ -685,9 +685,9 @@ def torch_argv(spec: Spec, agent: AgentSpec, env: Mapping[str, str]) -> list[str
 def run_ddpjob_agent(spec: Spec, agent: AgentSpec) -> None:
     from torch.distributed.run import config_from_args, get_args_parser  # noqa: PLC0415
 
-    from ddpjob_worker.agent import DdpjobAgent  # noqa: PLC0415
-    from ddpjob_worker.launch import launch  # noqa: PLC0415
-    from ddpjob_worker.policy import resolve_settings  # noqa: PLC0415
+    from ddpjob_worker.agent.elastic import DdpjobAgent  # noqa: PLC0415
+    from ddpjob_worker.agent.launch import launch  # noqa: PLC0415
+    from ddpjob_worker.agent.policy import resolve_settings  # noqa: PLC0415
     from ddpjob_worker.state import StateWriter  # noqa: PLC0415
 
     class HollowDdpjobAgent(HollowWorkers, DdpjobAgent):
@@ -798,7 +798,7 @@ def serve(spec: Spec) -> None:
     # from the frame itself (the anchor's logic is untouched).
     dynamic.get_method_name = _method_name
 
-    from ddpjob_worker.rendezvous import seed_incarnation  # noqa: PLC0415
+    from ddpjob_worker.agent.rendezvous import seed_incarnation  # noqa: PLC0415
 
     seed_incarnation()
 

@@ -1,14 +1,13 @@
 """What the pods' agents say of themselves: the operator's view past the API server.
 
-The API server only knows what kubelets report. A node that froze or lost its network keeps its
-pods ``Running`` and ``Ready`` until the node controller gives up on it (40 s and more), and a
-pod whose workers wait in a rendezvous is still ready for a few seconds. Each ddpjob-agent
-answers every connection on the job's directory port (the rendezvous port + 1) with one JSON
-line: its phase, the world it trains in (0 when it does not), the rendezvous round, and whether
-it hosts the store (see ``ddpjob_worker.advert``). With ``--ask-agents`` the operator asks the
-running pods at its passes and every :data:`ASK_EVERY_SECONDS` while the job runs, so that
-``status.worldSize`` is the world that trains now and ``status.storeHost`` names the pod that
-hosts the store.
+The API server only knows what kubelets report. A node that froze or lost its network keeps its pods
+``Running`` and ``Ready`` until the node controller gives up on it (40 s and more), and a pod whose
+workers wait in a rendezvous is still ready for a few seconds. Each ddpjob-agent answers every
+connection on the job's directory port (the rendezvous port + 1) with one JSON line: its phase, the
+world it trains in (0 when it does not), the rendezvous round, and whether it hosts the store (see
+``ddpjob_worker.membership.advert``). With ``--ask-agents`` the operator asks the running pods at
+its passes and every :data:`ASK_EVERY_SECONDS` while the job runs, so that ``status.worldSize`` is
+the world that trains now and ``status.storeHost`` names the pod that hosts the store.
 
 Each question is a new TCP connection, and a job may have a thousand pods: asking all of them
 every 2 s was 512 connections a second and as many sockets at once, and a second of the

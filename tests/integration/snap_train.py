@@ -49,8 +49,8 @@ from ddpjob_worker.train import (
     TrainState,
     model_checksum,
     snapshot_path,
-    tensor_bytes,
 )
+from ddpjob_worker.train.trainstate import tensor_bytes
 
 
 def say(line: str) -> None:

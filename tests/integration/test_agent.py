@@ -166,7 +166,13 @@ def test_sigterm_forwards_to_workers_and_exits_143(make_cluster: MakeCluster) ->
         wait_until(f"step 3 on node {node.index}", reached(node, 3), 60)
     # The readiness probe (torch-free) says ready while the workers run.
     probe = subprocess.run(
-        [sys.executable, "-m", "ddpjob_worker.probe", "--state-file", str(nodes[1].state_file)],
+        [
+            sys.executable,
+            "-m",
+            "ddpjob_worker.agent.probe",
+            "--state-file",
+            str(nodes[1].state_file),
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -304,8 +310,8 @@ def drop_the_round(cluster: Cluster) -> None:
         _create_tcp_store,
     )
 
-    from ddpjob_worker.rendezvous import SealedBackend  # noqa: PLC0415
-    from ddpjob_worker.seal import Seal  # noqa: PLC0415
+    from ddpjob_worker.agent.rendezvous import SealedBackend  # noqa: PLC0415
+    from ddpjob_worker.membership.seal import Seal  # noqa: PLC0415
 
     params = RendezvousParameters(
         "c10d", f"127.0.0.1:{cluster.port}", cluster.run_id, 1, 3, is_host="false"
@@ -654,7 +660,7 @@ def test_as_pid_1_the_agent_reaps_the_orphans_its_workers_leave(tmp_path: Path) 
     script = tmp_path / "orphans.py"
     script.write_text(ORPHANS)
     log = tmp_path / "agent.log"
-    agent = [sys.executable, "-m", "ddpjob_worker.cli", "--standalone", "--nnodes", "1"]
+    agent = [sys.executable, "-m", "ddpjob_worker.agent.cli", "--standalone", "--nnodes", "1"]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--mount", "--mount-proc", *agent, str(script), "6"],

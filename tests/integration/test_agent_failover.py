@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ddpjob_worker import liveness
 from ddpjob_worker.contract import EXIT_STOPPED_BY_SIGNAL
+from ddpjob_worker.membership import liveness
 from ddpjob_worker.state import Phase
 from tests.e2e.test_kind_operator import PodLog, lineage_problems, rank0_runs
 from tests.harness import CKPT_RE, RESUME_RE, STEP_RE, Cluster, Node, wait_until

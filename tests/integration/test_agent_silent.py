@@ -3,7 +3,7 @@ processes: dropped from the round within seconds, back when it wakes, and short 
 
 A frozen pod sends no reset: its kernel still accepts connections, its sockets stay open, and
 its workers' gloo peers block in their collective until gloo's timeout (30 min by default).
-Only the agents' liveness answers (``ddpjob_worker.liveness.PeerWatch``) tell it apart. The
+Only the agents' liveness answers (``ddpjob_worker.membership.liveness.PeerWatch``) tell it apart. The
 store host (node 0) is never frozen for longer than a stall here: a silent store host is "store
 lost", another story.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ddpjob_worker import liveness
+from ddpjob_worker.membership import liveness
 from ddpjob_worker.state import Phase
 from tests.e2e.test_kind_operator import PodLog, lineage_problems, rank0_runs
 from tests.harness import CKPT_RE, RESUME_RE, STEP_RE, Cluster, Node, wait_until

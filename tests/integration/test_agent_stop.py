@@ -73,7 +73,7 @@ class Agent:
                 [
                     sys.executable,
                     "-m",
-                    "ddpjob_worker.cli",
+                    "ddpjob_worker.agent.cli",
                     "--standalone",
                     "--nproc-per-node",
                     "1",

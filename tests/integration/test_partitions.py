@@ -3,7 +3,7 @@ processes on both sides, links cut (no reset: packets go nowhere), not processes
 
 What must hold whatever the cut: two groups never train at once, a side without a majority of
 the last round never trains, and once healed everyone trains together again. The store's host
-decides every round (``ddpjob_worker.hub``): a side is a majority or it waits.
+decides every round (``ddpjob_worker.membership.hub``): a side is a majority or it waits.
 """
 
 from __future__ import annotations

@@ -55,7 +55,14 @@ def standalone(
         ),
         **env,
     }
-    argv = [sys.executable, "-m", "ddpjob_worker.cli", "--standalone", "--nproc-per-node", "2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ddpjob_worker.agent.cli",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     argv += ["--max-restarts", "1", "--monitor-interval", "0.1", *script_argv]
     with log.open("ab") as out:
         return subprocess.Popen(

@@ -36,7 +36,7 @@ seen by the API server and the controllers, is a kubelet that:
 **Hollow agents.** Inside the cluster's hub namespace (:mod:`tests.kube.network`) the hollow
 pod range is local (``ip route add local``), and one listener on the agents' directory port
 (the rendezvous port + 1, 29401 by default) answers for every hollow pod: a connection to pod
-*P*'s address gets the line a ddpjob-agent would send (``ddpjob_worker.advert``): its index,
+*P*'s address gets the line a ddpjob-agent would send (``ddpjob_worker.membership.advert``): its index,
 ``running``, the world it trains in and whether it hosts the store. The world is the count of
 the job's running pods on nodes that report, but for ``cut_seconds`` after a node is lost (the
 time real agents take to cut a silent member, 2.6 to 5.7 s measured at 8 to 24 pods): until

@@ -1,4 +1,4 @@
-"""A c10d store in memory, for the membership core's unit tests (``ddpjob_worker.keys``,
+"""A c10d store in memory, for the membership core's unit tests (``ddpjob_worker.membership.keys``,
 ``blame``, ``failover``): the methods they use, with the TCPStore's semantics (values are bytes,
 ``append`` creates the key, ``get`` of a missing key fails as the TCPStore's does after its
 timeout). One lock, so that threads of one test may share it; ``down`` makes every request fail

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker.cli import apply_env_defaults, build_parser
+from ddpjob_worker.agent.cli import apply_env_defaults, build_parser
 from ddpjob_worker.errors import EXIT_USAGE
 
 
@@ -50,7 +50,7 @@ def test_bad_configuration_exits_with_the_usage_code() -> None:
         [
             sys.executable,
             "-m",
-            "ddpjob_worker.cli",
+            "ddpjob_worker.agent.cli",
             "--nnodes=3:1",
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=127.0.0.1:1",
@@ -94,7 +94,7 @@ def test_a_sigterm_while_the_agent_starts_is_a_stop(tmp_path: Path) -> None:
     script.write_text("raise SystemExit(0)\n")
     state = tmp_path / "state.json"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "ddpjob_worker.cli", "--nnodes=1", "--nproc-per-node=1",
+        [sys.executable, "-m", "ddpjob_worker.agent.cli", "--nnodes=1", "--nproc-per-node=1",
          "--state-file", str(state), str(script)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from ddpjob_worker.exits import ExitClock
+from ddpjob_worker.agent.exits import ExitClock
 
 
 def _sleeper(seconds: float, code: int = 0) -> subprocess.Popen[bytes]:

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpjob_worker import compat, contract
-from ddpjob_worker.blame import (
+from ddpjob_worker import contract
+from ddpjob_worker.agent import compat
+from ddpjob_worker.agent.blame import (
     CAUSE_COMM,
     CAUSE_ERROR,
     CAUSE_UNKNOWN,
@@ -23,7 +24,7 @@ from ddpjob_worker.blame import (
     parse_reports,
     settled,
 )
-from ddpjob_worker.policy import (
+from ddpjob_worker.agent.policy import (
     Action,
     WorkerStatus,
     decide,
@@ -254,7 +255,7 @@ def test_an_untested_torch_may_run_when_allowed() -> None:
 
 
 def _agent(args: list[str], prelude: str = "", **env: str) -> subprocess.CompletedProcess[str]:
-    code = f"import sys\n{prelude}\nfrom ddpjob_worker.cli import main\nmain(sys.argv[1:])\n"
+    code = f"import sys\n{prelude}\nfrom ddpjob_worker.agent.cli import main\nmain(sys.argv[1:])\n"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "DDPJOB_"))}
     return subprocess.run(
         [sys.executable, "-c", code, *args],

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpjob_worker.policy import (
+from ddpjob_worker.agent.policy import (
     DEFAULT_GRACE_SECONDS,
     DEFAULT_JOIN_TIMEOUT,
     Action,

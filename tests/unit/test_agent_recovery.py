@@ -16,11 +16,11 @@ from typing import IO
 
 import pytest
 
-from ddpjob_worker import liveness
-from ddpjob_worker.blame import FailureReport, settled
-from ddpjob_worker.failover import round_is_full
-from ddpjob_worker.liveness import Health
-from ddpjob_worker.policy import Action, WorkerStatus, decide
+from ddpjob_worker.agent.blame import FailureReport, settled
+from ddpjob_worker.agent.policy import Action, WorkerStatus, decide
+from ddpjob_worker.membership import liveness
+from ddpjob_worker.membership.failover import round_is_full
+from ddpjob_worker.membership.liveness import Health
 from tests.harness import wait_until
 
 
@@ -80,7 +80,7 @@ def test_the_kernel_answers_for_a_listener_that_never_accepts() -> None:
 
 def test_the_listener_of_a_killed_process_is_dead_at_once() -> None:
     code = (
-        "import sys, time; from ddpjob_worker import liveness; "
+        "import sys, time; from ddpjob_worker.membership import liveness; "
         "l = liveness.Listener('127.0.0.1'); print(l.address, flush=True); time.sleep(60)"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -126,7 +126,7 @@ def test_no_answer_in_time_decides_nothing() -> None:
 # -- a silent peer: the listener answers, a frozen process does not ----------------------------
 
 LISTENER_CHILD = (
-    "import sys, time; from ddpjob_worker import liveness; "
+    "import sys, time; from ddpjob_worker.membership import liveness; "
     "l = liveness.Listener('127.0.0.1'); l.info = {'v': 1, 'who': 'child'}; "
     "print(l.address, flush=True); time.sleep(60)"
 )
@@ -248,7 +248,7 @@ def test_the_watch_names_a_peer_that_refuses_at_once() -> None:
 
 WATCHER_CHILD = """
 import signal, sys, time
-from ddpjob_worker import liveness
+from ddpjob_worker.membership import liveness
 
 watch = liveness.PeerWatch({"peer": sys.argv[1]})
 def say(tag):  # one write per line: the SIGCONT handler may run between two of print's
@@ -299,7 +299,7 @@ def test_an_agent_at_a_dead_members_address_and_pid_is_another_member() -> None:
     at the same pid (the node's PID namespace starts pods in the same order): torch's node
     descriptor ``<addr>_<pid>_<local id>`` would take it for the member that left. The agent
     seeds its local ids with a random incarnation, and identities carry it."""
-    from ddpjob_worker.nodes import INCARNATION_SHIFT, NodeRepr, ident  # noqa: PLC0415
+    from ddpjob_worker.membership.nodes import INCARNATION_SHIFT, NodeRepr, ident  # noqa: PLC0415
 
     old, new = (NodeRepr(f"10.0.0.2_11_{(i << INCARNATION_SHIFT) + 1}") for i in (5, 9))
     assert (ident(old), ident(new)) == ("10.0.0.2_11_5", "10.0.0.2_11_9")
@@ -310,8 +310,8 @@ def test_an_agent_at_a_dead_members_address_and_pid_is_another_member() -> None:
     code = (
         "from torch.distributed.elastic.rendezvous.dynamic_rendezvous import "
         "DynamicRendezvousHandler as H\n"
-        "from ddpjob_worker.nodes import ident\n"
-        "from ddpjob_worker.rendezvous import seed_incarnation\n"
+        "from ddpjob_worker.membership.nodes import ident\n"
+        "from ddpjob_worker.agent.rendezvous import seed_incarnation\n"
         "first = seed_incarnation()\n"
         "assert seed_incarnation() == first, 'seeded once'\n"
         "a, b = (H._node_desc_generator.generate('10.0.0.2') for _ in range(2))\n"
@@ -333,7 +333,7 @@ def test_a_starting_agent_asks_a_sample_of_the_pods_pod_0_among_them(
     # agents asking all 256 made the first round of 256 take 25 s here. A sample is asked.
     import random  # noqa: PLC0415
 
-    from ddpjob_worker import launch  # noqa: PLC0415
+    from ddpjob_worker.agent import launch  # noqa: PLC0415
 
     asked: list[set[str]] = []
 

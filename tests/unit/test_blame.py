@@ -1,4 +1,4 @@
-"""Who is charged for a round's failure (``ddpjob_worker.blame``), against a store in memory:
+"""Who is charged for a round's failure (``ddpjob_worker.agent.blame``), against a store in memory:
 the reports each agent writes, the wait with no restart left, a store whose host is gone.
 No torch."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob_worker.blame import (
+from ddpjob_worker.agent.blame import (
     CAUSE_COMM,
     CAUSE_ERROR,
     FAILURE_REPORTS_KEY,
@@ -15,7 +15,7 @@ from ddpjob_worker.blame import (
     FailureReport,
     Verdict,
 )
-from ddpjob_worker.seal import Seal
+from ddpjob_worker.membership.seal import Seal
 from tests.unit.memstore import MemStore
 
 SEAL = Seal(b"the job's key")

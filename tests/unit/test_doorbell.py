@@ -1,4 +1,4 @@
-"""The monitor loop's wait (:mod:`ddpjob_worker.doorbell`): a ring is never lost, a worker's end
+"""The monitor loop's wait (:mod:`ddpjob_worker.agent.doorbell`): a ring is never lost, a worker's end
 wakes it, and what cannot ring says so."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 import threading
 from types import SimpleNamespace
 
-from ddpjob_worker.doorbell import Doorbell, ProcessWatch
+from ddpjob_worker.agent.doorbell import Doorbell, ProcessWatch
 
 
 def test_a_ring_before_the_wait_is_not_lost() -> None:
@@ -67,7 +67,7 @@ def test_a_worker_that_ends_wakes_the_wait_and_one_reaped_cannot_be_watched() ->
 def test_the_agent_waits_only_on_workers_still_running() -> None:
     """A local rank that ended first (torch has polled it) must not ring every wait: its pidfd
     stays readable, and the loop would spin until the others end."""
-    from ddpjob_worker.agent import DdpjobAgent  # noqa: PLC0415 (torch)
+    from ddpjob_worker.agent.elastic import DdpjobAgent  # noqa: PLC0415 (torch)
 
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()

@@ -1,4 +1,4 @@
-"""Store failover and fencing as pure decisions (``ddpjob_worker.failover``). No torch, no
+"""Store failover and fencing as pure decisions (``ddpjob_worker.membership.failover``). No torch, no
 sockets: peers' answers are what a fake ``ask`` returns. The hub applies the majority rule to
 the members in its memory (``tests/unit/test_hub.py`` runs one).
 
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpjob_worker import failover
-from ddpjob_worker.failover import (
+from ddpjob_worker.membership import failover
+from ddpjob_worker.membership.failover import (
     Ask,
     Host,
     Join,
@@ -36,8 +36,8 @@ from ddpjob_worker.failover import (
     next_step,
     succeed,
 )
-from ddpjob_worker.liveness import SILENT_AFTER_SECONDS, Answer, Health
-from ddpjob_worker.nodes import NodeIdent
+from ddpjob_worker.membership.liveness import SILENT_AFTER_SECONDS, Answer, Health
+from ddpjob_worker.membership.nodes import NodeIdent
 
 RUN = "run-1"
 A, B, C, D = (NodeIdent(f"10.0.0.{i}_{i}") for i in range(1, 5))

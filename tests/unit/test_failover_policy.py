@@ -1,5 +1,5 @@
 """The pure rules of store failover: who hosts next, which store is newest, and the majority a
-round needs (``ddpjob_worker.failover``); and where the operator tells pods to find each other."""
+round needs (``ddpjob_worker.membership.failover``); and where the operator tells pods to find each other."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpjob_worker import contract
-from ddpjob_worker.failover import StoreAnswer, best_store, has_quorum, successor
-from ddpjob_worker.nodes import NodeIdent
-from ddpjob_worker.policy import resolve_settings
+from ddpjob_worker.agent.policy import resolve_settings
+from ddpjob_worker.membership.failover import StoreAnswer, best_store, has_quorum, successor
+from ddpjob_worker.membership.nodes import NodeIdent
 
 
 def ids(names: list[str] | set[str]) -> list[NodeIdent]:

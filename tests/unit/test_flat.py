@@ -1,4 +1,4 @@
-"""A step's state as one flat buffer (``ddpjob_worker.flat``), the snapshots' format: what goes
+"""A step's state as one flat buffer (``ddpjob_worker.train.flat``), the snapshots' format: what goes
 in comes out equal, in its own types, from bytes or from a snapshot slot written in place."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddpjob_worker import flat
-from ddpjob_worker.snapshot import SnapshotFile
+from ddpjob_worker.train import flat
+from ddpjob_worker.train.snapshot import SnapshotFile
 
 Pair = collections.namedtuple("Pair", ["left", "right"])
 

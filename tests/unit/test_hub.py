@@ -1,4 +1,4 @@
-"""The hub and its members (``ddpjob_worker.hub``, ``ddpjob_worker.member``) on this process's
+"""The hub and its members (``ddpjob_worker.membership.hub``, ``ddpjob_worker.membership.member``) on this process's
 membership loop, over real loopback TCP, with real liveness sockets. No torch.
 
 What must hold: a round forms once the members are in (ranks by pod index); a member whose agent
@@ -18,13 +18,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from ddpjob_worker import liveness, member
-from ddpjob_worker.hub import Hub
-from ddpjob_worker.liveness import Health
-from ddpjob_worker.member import Member, MemberView
-from ddpjob_worker.nodes import NodeIdent
-from ddpjob_worker.seal import Seal
-from ddpjob_worker.wire import Wire, run_on_loop
+from ddpjob_worker.membership import liveness, member
+from ddpjob_worker.membership.hub import Hub
+from ddpjob_worker.membership.liveness import Health
+from ddpjob_worker.membership.member import Member, MemberView
+from ddpjob_worker.membership.nodes import NodeIdent
+from ddpjob_worker.membership.seal import Seal
+from ddpjob_worker.membership.wire import Wire, run_on_loop
 
 WIRE = Wire(Seal(b"the job's key"), "run")
 

@@ -7,12 +7,12 @@ import dataclasses
 from collections.abc import Mapping
 
 from ddpjob_worker.hang import FLOOR_SECONDS
-from ddpjob_worker.hubwatch import STALL_SECONDS, HubWatch
-from ddpjob_worker.liveness import Health
-from ddpjob_worker.nodes import NodeIdent
+from ddpjob_worker.membership.hubwatch import STALL_SECONDS, HubWatch
+from ddpjob_worker.membership.liveness import Health
+from ddpjob_worker.membership.nodes import NodeIdent
+from ddpjob_worker.membership.suspicion import OBSERVERS, PROBE_SECONDS, SILENT_AFTER_SECONDS
+from ddpjob_worker.membership.wire import Message
 from ddpjob_worker.progress import Phase, Progress
-from ddpjob_worker.suspicion import OBSERVERS, PROBE_SECONDS, SILENT_AFTER_SECONDS
-from ddpjob_worker.wire import Message
 
 
 @dataclasses.dataclass

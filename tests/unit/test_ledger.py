@@ -1,4 +1,4 @@
-"""The restart ledger (``ddpjob_worker.ledger``): the refund rule, the budget, and what the
+"""The restart ledger (``ddpjob_worker.agent.ledger``): the refund rule, the budget, and what the
 agent owes across rounds, as the monitor loop drives it. Pure: no torch, no store."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpjob_worker.ledger import Budget, RestartLedger, is_membership_change
+from ddpjob_worker.agent.ledger import Budget, RestartLedger, is_membership_change
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from ddpjob_worker import liveness
-from ddpjob_worker.liveness import Health
+from ddpjob_worker.membership import liveness
+from ddpjob_worker.membership.liveness import Health
 
 
 @pytest.fixture
@@ -195,7 +195,7 @@ def test_an_address_not_of_this_machine_listens_everywhere_with_a_warning(
 ) -> None:
     # A name that resolves to a service's virtual IP: binding it fails (EADDRNOTAVAIL), so the
     # listener takes every interface rather than none. 192.0.2.1 is TEST-NET-1, nobody's.
-    with caplog.at_level(logging.WARNING, logger="ddpjob_worker.liveness"):
+    with caplog.at_level(logging.WARNING, logger="ddpjob_worker.membership.liveness"):
         listener = liveness.Listener("192.0.2.1")
     try:
         port = int(listener.address.rpartition(":")[2])

@@ -1,11 +1,11 @@
-"""ddpjob_worker.memory: a container's memory limit and working set, from cgroup trees laid out
+"""ddpjob_worker.agent.memory: a container's memory limit and working set, from cgroup trees laid out
 as the kernel lays them out (v2, v1, a cgroup namespace of its own, no limit)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ddpjob_worker.memory import Memory, container_memory
+from ddpjob_worker.agent.memory import Memory, container_memory
 
 GIB = 1 << 30
 

@@ -1,5 +1,5 @@
 """The operator's questions to the agents (``--ask-agents``): real sockets, a real agent
-listener (:class:`ddpjob_worker.liveness.Listener`), and the status that follows."""
+listener (:class:`ddpjob_worker.membership.liveness.Listener`), and the status that follows."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from ddpjob_operator import agents
 from ddpjob_operator.agents import AgentAnswer, _told
 from ddpjob_operator.observe import PodPhase
-from ddpjob_worker import liveness
+from ddpjob_worker.membership import liveness
 
 from .test_reconcile import make_job, pod, run
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker import cli, snapdir
+from ddpjob_worker import snapdir
+from ddpjob_worker.agent import cli
 from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR, PET_RDZV_ID
 
 

@@ -1,4 +1,4 @@
-"""In-memory snapshots (:mod:`ddpjob_worker.snapshot`): two slots, so that a writer killed in
+"""In-memory snapshots (:mod:`ddpjob_worker.train.snapshot`): two slots, so that a writer killed in
 the middle of a copy never loses the snapshot before it; torn or corrupt slots are never read."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker.snapshot import (
+from ddpjob_worker.train.snapshot import (
     HEADER_BYTES,
     SnapshotError,
     SnapshotFile,
@@ -87,7 +87,7 @@ def test_a_file_that_is_not_a_snapshot_file_is_refused_by_name(tmp_path: Path) -
 _WRITER = """
 import sys
 from pathlib import Path
-from ddpjob_worker.snapshot import SnapshotFile
+from ddpjob_worker.train.snapshot import SnapshotFile
 snaps = SnapshotFile.open(Path(sys.argv[1]))
 size = snaps.capacity
 step = 0
@@ -129,7 +129,7 @@ def test_a_writer_killed_mid_copy_loses_at_most_that_copy(tmp_path: Path) -> Non
 _FULL_TMPFS = """
 import sys
 from pathlib import Path
-from ddpjob_worker.snapshot import SnapshotFile
+from ddpjob_worker.train.snapshot import SnapshotFile
 try:
     snaps = SnapshotFile.create(Path(sys.argv[1]) / "s", capacity=4 << 20)
     snaps.write(1, 0, bytes(4 << 20))

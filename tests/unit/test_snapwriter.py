@@ -1,5 +1,5 @@
 """Snapshots whose parameters and optimizer state are copied in the background
-(:mod:`ddpjob_worker.snapwriter`): the slot holds the committed step though the next step ran
+(:mod:`ddpjob_worker.train.snapwriter`): the slot holds the committed step though the next step ran
 meanwhile, ``optimizer.step`` waits for the copy, a failed or disturbed copy is raised and never
 published, and a process killed mid-copy (or one that simply exits) leaves a whole snapshot."""
 
@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob_worker import flat
-from ddpjob_worker.snapshot import SnapshotError, SnapshotFile
-from ddpjob_worker.train import ElasticSampler, TrainState, newest
+from ddpjob_worker.train import ElasticSampler, TrainState, flat, newest
+from ddpjob_worker.train.snapshot import SnapshotError, SnapshotFile
 
 
 class Ramp(torch.nn.Module):
@@ -167,7 +166,7 @@ def test_a_failed_background_copy_is_raised_and_never_published(
 
     monkeypatch.setattr(flat.Target, "copy", broken)
     next(batches)
-    with caplog.at_level("ERROR", logger="ddpjob_worker.snapwriter"), state.step():
+    with caplog.at_level("ERROR", logger="ddpjob_worker.train.snapwriter"), state.step():
         step(state)
     next(batches)
     failed = pytest.raises(SnapshotError, match=r"snapshot of step 2 failed: no room left")
@@ -206,7 +205,7 @@ import sys, threading, time
 from pathlib import Path
 import torch
 sys.path[:0] = {paths!r}
-from ddpjob_worker import flat
+from ddpjob_worker.train import flat
 from tests.unit.test_snapwriter import make, step
 slow = float(sys.argv[3])
 if slow:

@@ -1,8 +1,8 @@
 """A worker that is stopped, or whose step fails, writes the step it has committed
-(:mod:`ddpjob_worker.onstop`, ``TrainState.step``): real gloo groups of two processes
+(:mod:`ddpjob_worker.train.onstop`, ``TrainState.step``): real gloo groups of two processes
 (``stop_train.py``) whose periodic snapshots are 1,000 steps apart, so only that write can
-hold the newest step. Also :mod:`ddpjob_worker.cadence`, and the agent's side
-(:func:`ddpjob_worker.workers.terminate`)."""
+hold the newest step. Also :mod:`ddpjob_worker.train.cadence`, and the agent's side
+(:func:`ddpjob_worker.agent.workers.terminate`)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob_worker import cadence, flat, onstop
-from ddpjob_worker.snapshot import SnapshotFile
-from ddpjob_worker.train import newest, tensor_bytes
-from ddpjob_worker.workers import terminate
+from ddpjob_worker.agent.workers import terminate
+from ddpjob_worker.train import cadence, flat, newest, onstop
+from ddpjob_worker.train.snapshot import SnapshotFile
+from ddpjob_worker.train.trainstate import tensor_bytes
 from tests.harness import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -366,7 +366,7 @@ FORKER = textwrap.dedent(
     """
     import os, signal, sys, time
     from pathlib import Path
-    from ddpjob_worker import onstop
+    from ddpjob_worker.train import onstop
     out = Path(sys.argv[1])
     onstop.install(lambda: out.write_text("parent wrote"))
     child = os.fork()

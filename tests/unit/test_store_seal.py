@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from ddpjob_worker import watch
-from ddpjob_worker.keys import END_FAILURE, END_LEAVE
-from ddpjob_worker.liveness import Health
-from ddpjob_worker.nodes import NodeRepr
-from ddpjob_worker.rendezvous import RendezvousAdapter, _fresh_sync, is_jobs_store
-from ddpjob_worker.seal import KEY_ENV, Seal, SealError
+from ddpjob_worker.agent.rendezvous import RendezvousAdapter, _fresh_sync, is_jobs_store
+from ddpjob_worker.membership import watch
+from ddpjob_worker.membership.keys import END_FAILURE, END_LEAVE
+from ddpjob_worker.membership.liveness import Health
+from ddpjob_worker.membership.nodes import NodeRepr
+from ddpjob_worker.membership.seal import KEY_ENV, Seal, SealError
 from tests.harness import free_port
 
 KEY = Seal(b"the job's key")
@@ -167,7 +167,7 @@ def test_forged_and_outside_keys_do_not_steer_the_round(job: Job, port: int) -> 
 
 
 def test_forged_failure_reports_are_dropped() -> None:
-    from ddpjob_worker.blame import FAILURE_REPORTS_KEY, parse_reports  # noqa: PLC0415
+    from ddpjob_worker.agent.blame import FAILURE_REPORTS_KEY, parse_reports  # noqa: PLC0415
 
     raw = "1.0@1@error;" + KEY.items(FAILURE_REPORTS_KEY, ["2.0@0@comm"])
     opened = parse_reports(";".join(KEY.open_items(FAILURE_REPORTS_KEY, raw)))
@@ -235,8 +235,8 @@ def test_a_new_stores_hub_is_read_in_two_requests_and_only_if_sealed() -> None:
     each, not a wait, a check and a get."""
     from datetime import timedelta  # noqa: PLC0415
 
-    from ddpjob_worker.hubrdzv import HUB_KEY  # noqa: PLC0415
-    from ddpjob_worker.keys import RunKeys, key  # noqa: PLC0415
+    from ddpjob_worker.agent.hubrdzv import HUB_KEY  # noqa: PLC0415
+    from ddpjob_worker.membership.keys import RunKeys, key  # noqa: PLC0415
     from tests.unit.memstore import MemStore  # noqa: PLC0415
 
     store = MemStore()

@@ -1,4 +1,4 @@
-"""A lost store's survivor that cannot host the next generation (``ddpjob_worker.storelink``).
+"""A lost store's survivor that cannot host the next generation (``ddpjob_worker.agent.storelink``).
 
 The whole suite saw it once: pod 0's node lost, pod 1 (the successor) could not reach the
 store it had just made at its own address within its 10 s (torch names the address it connects
@@ -21,15 +21,15 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from ddpjob_worker.failover import StoreView
-from ddpjob_worker.hubrdzv import HubBackend
-from ddpjob_worker.liveness import Health
-from ddpjob_worker.nodes import NodeIdent, NodeRepr
-from ddpjob_worker.policy import Settings
-from ddpjob_worker.seal import Seal
+from ddpjob_worker.agent.hubrdzv import HubBackend
+from ddpjob_worker.agent.policy import Settings
+from ddpjob_worker.agent.storelink import StoreLink
+from ddpjob_worker.membership.failover import StoreView
+from ddpjob_worker.membership.liveness import Health
+from ddpjob_worker.membership.nodes import NodeIdent, NodeRepr
+from ddpjob_worker.membership.seal import Seal
+from ddpjob_worker.membership.watch import RoundView
 from ddpjob_worker.state import StateWriter
-from ddpjob_worker.storelink import StoreLink
-from ddpjob_worker.watch import RoundView
 from tests.harness import free_port
 
 
@@ -118,7 +118,7 @@ def test_a_survivor_that_cannot_host_the_next_store_waits_for_the_endpoint(
     )
     link.rdzv = cast(Any, Rendezvous())
 
-    with caplog.at_level(logging.INFO, logger="ddpjob_worker.storelink"):
+    with caplog.at_level(logging.INFO, logger="ddpjob_worker.agent.storelink"):
         link.recover(time.monotonic() + 20, Health.GONE)
 
     configured = str(params.endpoint).rpartition(":")[2]

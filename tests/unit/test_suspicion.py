@@ -9,9 +9,9 @@ import subprocess
 import sys
 import zlib
 
-from ddpjob_worker.liveness import CONFIRM_AFTER_SECONDS, PROBE_TIMEOUT_SECONDS, Health
-from ddpjob_worker.nodes import NodeIdent
-from ddpjob_worker.suspicion import (
+from ddpjob_worker.membership.liveness import CONFIRM_AFTER_SECONDS, PROBE_TIMEOUT_SECONDS, Health
+from ddpjob_worker.membership.nodes import NodeIdent
+from ddpjob_worker.membership.suspicion import (
     BATCH_SECONDS,
     OBSERVERS,
     PROBE_SECONDS,
@@ -170,7 +170,7 @@ def test_a_suspect_heard_after_all_is_cleared_and_does_not_hold_back_a_cut() -> 
 
 
 def test_the_suspicion_module_imports_without_torch() -> None:
-    code = "import sys, ddpjob_worker.suspicion; assert 'torch' not in sys.modules"
+    code = "import sys, ddpjob_worker.membership.suspicion; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob_worker import onstop
-from ddpjob_worker.snapshot import SnapshotFile
 from ddpjob_worker.train import (
     ElasticSampler,
     TrainState,
     model_checksum,
     newest,
+    onstop,
     snapshot_path,
 )
+from ddpjob_worker.train.snapshot import SnapshotFile
 
 
 def run_world(sampler: ElasticSampler, world: int, steps: int) -> list[int]:
@@ -210,7 +210,7 @@ def test_a_state_that_outgrows_its_file_gets_a_larger_one(
     snaps = SnapshotFile.open(path)
     assert snaps.capacity >= 2 * len(state.payload())
     state.extra["big"] = b"x" * (2 * snaps.capacity)
-    with caplog.at_level("INFO", logger="ddpjob_worker.snapwriter"):
+    with caplog.at_level("INFO", logger="ddpjob_worker.train.snapwriter"):
         train(state, 2)
     assert "remaking" in caplog.text
     snap = newest(SnapshotFile.open(path))

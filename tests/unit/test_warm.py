@@ -1,4 +1,4 @@
-"""Warm workers (ddpjob_worker.warm): real spare processes, handed real scripts."""
+"""Warm workers (ddpjob_worker.agent.warm): real spare processes, handed real scripts."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker import cli, contract, warm
-from ddpjob_worker.memory import Memory
-from ddpjob_worker.policy import resolve_settings
-from ddpjob_worker.warm import WarmPool, foreign_changes, parse_command, start_spare
+from ddpjob_worker import contract
+from ddpjob_worker.agent import cli, warm
+from ddpjob_worker.agent.memory import Memory
+from ddpjob_worker.agent.policy import resolve_settings
+from ddpjob_worker.agent.warm import WarmPool, foreign_changes, parse_command, start_spare
 
 PY = sys.executable
 

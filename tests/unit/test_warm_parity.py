@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker import warm
-from ddpjob_worker.warm import WarmPool, cuda_pinned
+from ddpjob_worker.agent import warm
+from ddpjob_worker.agent.warm import WarmPool, cuda_pinned
 from tests.unit.test_warm import agent_stdin, wait_ready
 
 PY = sys.executable

@@ -1,5 +1,5 @@
-"""One monitor tick's look at the round (``ddpjob_worker.watch``) and what an agent says of
-itself (``ddpjob_worker.advert``). No torch: the store's answers are what a fake ``read``
+"""One monitor tick's look at the round (``ddpjob_worker.membership.watch``) and what an agent says of
+itself (``ddpjob_worker.membership.advert``). No torch: the store's answers are what a fake ``read``
 returns, the peers are real liveness sockets on 127.0.0.1."""
 
 from __future__ import annotations
@@ -10,15 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker import liveness
-from ddpjob_worker.advert import Advert
 from ddpjob_worker.errors import StoreSilentError, StoreUnreachableError
-from ddpjob_worker.failover import StoreView
-from ddpjob_worker.keys import END_DROPPED, END_FAILURE, END_HANDOVER, END_JOIN, END_LEAVE
-from ddpjob_worker.liveness import Health
-from ddpjob_worker.nodes import NodeIdent, NodeRepr
+from ddpjob_worker.membership import liveness
+from ddpjob_worker.membership.advert import Advert
+from ddpjob_worker.membership.failover import StoreView
+from ddpjob_worker.membership.keys import (
+    END_DROPPED,
+    END_FAILURE,
+    END_HANDOVER,
+    END_JOIN,
+    END_LEAVE,
+)
+from ddpjob_worker.membership.liveness import Health
+from ddpjob_worker.membership.nodes import NodeIdent, NodeRepr
+from ddpjob_worker.membership.watch import Look, RoundView, RoundWatch, host_lost
 from ddpjob_worker.state import Phase, StateWriter, read_state
-from ddpjob_worker.watch import Look, RoundView, RoundWatch, host_lost
 from tests.harness import wait_until
 
 ME, PEER, HOST = (NodeRepr(f"10.0.0.{i}_{i}_0") for i in (1, 2, 3))

@@ -4,7 +4,7 @@
 Importing this package does not import torch; :func:`init_distributed` imports it when called.
 """
 
-from ddpjob_worker.distributed import DistInfo, init_distributed
 from ddpjob_worker.saving import saving
+from ddpjob_worker.train.distributed import DistInfo, init_distributed
 
 __all__ = ["DistInfo", "init_distributed", "saving"]

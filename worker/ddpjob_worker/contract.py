@@ -54,10 +54,11 @@ restarts and removed when the agent exits. ``ddpjob_worker.train`` keeps each lo
 snapshot file there (``rank<local rank>.snap``)."""
 DDPJOB_WARM_WORKERS = "DDPJOB_WARM_WORKERS"
 """``0`` turns off ddpjob-agent's warm workers (a spare process per local rank with torch
-imported, handed the next restart's worker: :mod:`ddpjob_worker.warm`). On by default."""
+imported, handed the next restart's worker: :mod:`ddpjob_worker.agent.warm`). On by default."""
 DDPJOB_DIRECTORY_PORT = "DDPJOB_DIRECTORY_PORT"
-"""The port of the agent's liveness socket, which answers who hosts the job's rendezvous store
-now (:mod:`ddpjob_worker.liveness`), bound to the pod's own address. Unset or 0: a free port."""
+"""The port of the agent's liveness socket, which answers who hosts the job's rendezvous store now
+(:mod:`ddpjob_worker.membership.liveness`), bound to the pod's own address. Unset or 0: a free
+port."""
 DDPJOB_RDZV_PEERS = "DDPJOB_RDZV_PEERS"
 """Where the job's agents answer (``host:port``, comma-separated; a name may resolve to every
 pod, as a headless Service's does). A starting agent asks them for the current store before it

@@ -89,8 +89,8 @@ def stuck(records: Mapping[K, Progress], now: float, threshold: float) -> set[K]
 
 
 def heard(raw: object, now: float) -> tuple[int, list[Progress]] | None:
-    """A heartbeat's ``p`` (see :meth:`ddpjob_worker.member.Member._heartbeat`): the member's
-    round and its local ranks' records, their times on our clock (``now`` less each age).
+    """A heartbeat's ``p`` (see :meth:`ddpjob_worker.membership.member.Member._heartbeat`): the
+    member's round and its local ranks' records, their times on our clock (``now`` less each age).
     None when there is none, or it is malformed."""
     if not isinstance(raw, list) or len(raw) != 2 or not isinstance(raw[0], int):
         return None

@@ -47,7 +47,7 @@ class Phase(enum.IntEnum):
     """Writing a checkpoint to disk (:meth:`ddpjob_worker.train.TrainState.save_checkpoint`):
     as long as the storage takes, never a hang (the agent lets a write finish)."""
     SNAPSHOT = 5
-    """The step is done and its snapshot is being written (:mod:`ddpjob_worker.cadence`:
+    """The step is done and its snapshot is being written (:mod:`ddpjob_worker.train.cadence`:
     not every step's)."""
 
 

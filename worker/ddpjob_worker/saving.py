@@ -38,7 +38,7 @@ def marker(pid: int, directory: str | None = None) -> Path | None:
 def marked() -> Iterator[None]:
     """Only the first half of :func:`saving`: ddpjob-agent waits for the block to end (up to its
     grace period) before it stops this worker; signals are left alone, so any thread may use
-    it (the snapshot a stopped worker writes: :mod:`ddpjob_worker.onstop`). Nests, across
+    it (the snapshot a stopped worker writes: :mod:`ddpjob_worker.train.onstop`). Nests, across
     threads too: the outermost block makes and removes the marker."""
     path = marker(os.getpid())
     if path is None:

@@ -1,6 +1,6 @@
 """The agent's snapshot directory: where its workers keep their per-step snapshots. No torch.
 
-A worker's in-memory snapshot (:mod:`ddpjob_worker.snapshot`) must outlive the worker, so it
+A worker's in-memory snapshot (:mod:`ddpjob_worker.train.snapshot`) must outlive the worker, so it
 cannot be the worker's own: the agent makes one directory per run when it starts, names it to
 every worker in ``DDPJOB_SNAPSHOT_DIR``, keeps it across worker restarts (that is the point)
 and removes it when it exits. It lives in ``/dev/shm`` (memory, as fast as the copy can be),

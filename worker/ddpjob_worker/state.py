@@ -83,7 +83,7 @@ class AgentState:
     """The generation of the store this agent uses (0: none yet, or it is looking for one)."""
     spares_ready: int = 0
     """Idle warm workers with torch imported: a restart now starts that many workers warm
-    (:mod:`ddpjob_worker.warm`)."""
+    (:mod:`ddpjob_worker.agent.warm`)."""
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
