@@ -50,7 +50,7 @@ from ddpjob_worker.train import (
     model_checksum,
     snapshot_path,
 )
-from ddpjob_worker.train.trainstate import tensor_bytes
+from ddpjob_worker.train.payload import tensor_bytes
 
 
 def say(line: str) -> None:

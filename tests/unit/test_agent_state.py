@@ -246,12 +246,16 @@ TORCH_SIDE = {
     "ddpjob_worker.agent.hubrdzv",
     "ddpjob_worker.agent.workers",
     "ddpjob_worker.train.trainstate",
+    "ddpjob_worker.train.commit",
+    "ddpjob_worker.train.restore",
+    "ddpjob_worker.train.payload",
+    "ddpjob_worker.train.phases",
     "ddpjob_worker.train.flat",
     "ddpjob_worker.train.snapwriter",
 }
 """The worker's modules that import torch: the agent on torch's subclass, its launch, the store
 link, the rendezvous adapters and the worker processes; the training state and its snapshot
-buffer. Every other module, the membership core and the shared base among them, imports without
+buffer, its commits, restore, payload and progress marks. Every other module, the membership core and the shared base among them, imports without
 it (one job of 1,024 pods runs many agents' membership cores to a process, with no torch)."""
 
 

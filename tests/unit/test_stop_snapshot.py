@@ -22,8 +22,8 @@ import torch
 
 from ddpjob_worker.agent.workers import terminate
 from ddpjob_worker.train import cadence, flat, newest, onstop
+from ddpjob_worker.train.payload import tensor_bytes
 from ddpjob_worker.train.snapshot import SnapshotFile
-from ddpjob_worker.train.trainstate import tensor_bytes
 from tests.harness import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,22 +11,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ddpjob_worker.train.payload import model_checksum as model_checksum
+    from ddpjob_worker.train.restore import Restored as Restored
     from ddpjob_worker.train.sampler import Batch as Batch
     from ddpjob_worker.train.sampler import ElasticSampler as ElasticSampler
-    from ddpjob_worker.train.trainstate import Restored as Restored
+    from ddpjob_worker.train.snapshot import newest as newest
+    from ddpjob_worker.train.snapshot import snapshot_path as snapshot_path
     from ddpjob_worker.train.trainstate import TrainState as TrainState
-    from ddpjob_worker.train.trainstate import model_checksum as model_checksum
-    from ddpjob_worker.train.trainstate import newest as newest
-    from ddpjob_worker.train.trainstate import snapshot_path as snapshot_path
 
 _HOMES = {
     "Batch": "ddpjob_worker.train.sampler",
     "ElasticSampler": "ddpjob_worker.train.sampler",
-    "Restored": "ddpjob_worker.train.trainstate",
+    "Restored": "ddpjob_worker.train.restore",
     "TrainState": "ddpjob_worker.train.trainstate",
-    "model_checksum": "ddpjob_worker.train.trainstate",
-    "newest": "ddpjob_worker.train.trainstate",
-    "snapshot_path": "ddpjob_worker.train.trainstate",
+    "model_checksum": "ddpjob_worker.train.payload",
+    "newest": "ddpjob_worker.train.snapshot",
+    "snapshot_path": "ddpjob_worker.train.snapshot",
 }
 
 __all__ = [

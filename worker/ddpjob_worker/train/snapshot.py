@@ -40,8 +40,11 @@ import mmap
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from ddpjob_worker import snapdir
+from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
 
 MAGIC = b"DDPJSNAP"
 VERSION = 2
@@ -315,3 +318,22 @@ class SnapshotFile:
 
     def _offset(self, slot: int) -> int:
         return HEADER_BYTES + slot * self.capacity
+
+
+def snapshot_path(env: Mapping[str, str], base: Path = snapdir.SHM) -> Path:
+    """This local rank's snapshot file: in the agent's directory (``DDPJOB_SNAPSHOT_DIR``), or
+    under plain torchrun in ``/dev/shm/ddpjob-torchrun_<run id>`` (nobody removes that one)."""
+    name = f"rank{int(env.get('LOCAL_RANK', '0'))}.snap"
+    directory = env.get(DDPJOB_SNAPSHOT_DIR)
+    if directory:
+        return Path(directory) / name
+    run = snapdir.safe_run_id(env.get("TORCHELASTIC_RUN_ID", ""))
+    return base / f"{snapdir.PREFIX}torchrun_{run}" / name
+
+
+def newest(snaps: SnapshotFile) -> Snapshot | None:
+    """The snapshot with the highest step (then generation), not :meth:`SnapshotFile.latest`'s
+    generation first: the restore picks by step (the generation is per node, and a scale-up
+    restart does not change it)."""
+    found = [s for s in (snaps.read(slot) for slot in range(SLOTS)) if s is not None]
+    return max(found, key=lambda s: (s.step, s.generation), default=None)
