@@ -106,10 +106,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def is_idle_spare(pid: int) -> bool:
-    """A warm worker (``ddpjob_worker.agent.warm``) still waiting on its stdin pipe for a worker to
+    """A warm worker (``ddpjob_worker.agent.spare``) still waiting on its stdin pipe for a worker to
     become; once handed a worker its stdin is the agent's (``/dev/null`` in these tests)."""
     try:
-        if b"ddpjob_worker.agent.warm" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"ddpjob_worker.agent.spare" not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return False
         return os.readlink(f"/proc/{pid}/fd/0").startswith("pipe:")
     except OSError:

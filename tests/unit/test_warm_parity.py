@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob_worker.agent import warm
-from ddpjob_worker.agent.warm import WarmPool, cuda_pinned
+from ddpjob_worker.agent import spare
+from ddpjob_worker.agent.spare import cuda_pinned
+from ddpjob_worker.agent.warm import WarmPool
 from tests.unit.test_warm import agent_stdin, wait_ready
 
 PY = sys.executable
@@ -139,8 +140,8 @@ def test_a_spare_sees_its_own_open_files(tmp_path: Path) -> None:
     device = tmp_path / "nvidia0"
     device.write_text("")
     with device.open() as _:
-        assert str(device) in warm._fd_targets()
-    assert warm._torch_cuda_initialized() is False  # pytest's process never initialises CUDA
+        assert str(device) in spare._fd_targets()
+    assert spare._torch_cuda_initialized() is False  # pytest's process never initialises CUDA
 
 
 CUDA_REPORT = """
