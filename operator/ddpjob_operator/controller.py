@@ -14,7 +14,7 @@ per job and wake it on every event of the job, its pods and its Service. A pass:
 
 There is no polling: a job with nothing due makes no API request at all, except a Kueue job
 (label ``kueue.x-k8s.io/queue-name``), whose Workloads are read on every pass, and as often as
-:func:`ddpjob_operator.queue.poll_after` says (every few seconds while it waits on Kueue or is
+:func:`ddpjob_operator.core.queue.poll_after` says (every few seconds while it waits on Kueue or is
 admitted: an eviction is seen that late at most). Nothing here holds
 state that matters across a restart: counts and intents are in the job's status and in the pods'
 finalizers, so the operator can be killed at any point and resume.
@@ -32,14 +32,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from ddpjob_operator import agents, api, builders, gang, queue, slowstart
-from ddpjob_operator.errors import SpecError
-from ddpjob_operator.kube import ApiError, ConflictError, KubeApi, controller_uid
-from ddpjob_operator.metrics import Metrics
-from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
-from ddpjob_operator.reconcile import (
-    INVALID_SPEC,
-    LARGE_JOB_PODS,
+from ddpjob_operator import agents, api, builders, slowstart
+from ddpjob_operator.core import gang, queue
+from ddpjob_operator.core.actions import (
     Action,
     CreatePod,
     CreateService,
@@ -48,9 +43,13 @@ from ddpjob_operator.reconcile import (
     DeletePod,
     Observed,
     RemoveFinalizer,
-    desired_replicas,
-    reconcile,
 )
+from ddpjob_operator.core.facts import LARGE_JOB_PODS, desired_replicas
+from ddpjob_operator.core.reconcile import INVALID_SPEC, reconcile
+from ddpjob_operator.errors import SpecError
+from ddpjob_operator.kube import ApiError, ConflictError, KubeApi, controller_uid
+from ddpjob_operator.metrics import Metrics
+from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 
 JSON = dict[str, Any]
 Key = tuple[str, str]

@@ -27,7 +27,8 @@ from typing import Any
 import aiohttp
 import kubernetes
 
-from ddpjob_operator import api, queue
+from ddpjob_operator import api
+from ddpjob_operator.core import queue
 from ddpjob_operator.errors import DDPJobError
 
 JSON = dict[str, Any]

@@ -1,7 +1,7 @@
 """DDPJobs under the real Kueue (v0.19.2, built here) on the real control plane.
 
 Kueue runs with ``externalFrameworks: ["DDPJob.v1alpha1.ddpjob.io"]`` (``tests/kueue``); the
-operator makes, follows and finishes each job's Workloads (``ddpjob_operator.queue``). Each
+operator makes, follows and finishes each job's Workloads (``ddpjob_operator.core.queue``). Each
 test has its own ClusterQueue and nodes (labelled and tainted for its namespace, as in
 ``test_gang``); the ResourceFlavor's node label is the only thing that sends a pod there (the
 templates only tolerate the taint), so a pod that runs shows that the flavor was applied.

@@ -28,8 +28,7 @@ import itertools
 from typing import Any
 
 from ddpjob_operator import api
-from ddpjob_operator.observe import observe_pod
-from ddpjob_operator.reconcile import (
+from ddpjob_operator.core.actions import (
     CreatePod,
     CreateService,
     Decision,
@@ -37,8 +36,9 @@ from ddpjob_operator.reconcile import (
     DeletePod,
     Observed,
     RemoveFinalizer,
-    reconcile,
 )
+from ddpjob_operator.core.reconcile import reconcile
+from ddpjob_operator.observe import observe_pod
 
 JSON = dict[str, Any]
 T0 = dt.datetime(2026, 11, 22, 12, 0, tzinfo=dt.UTC)

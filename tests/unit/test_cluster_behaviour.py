@@ -13,15 +13,9 @@ from typing import Any
 import pytest
 
 from ddpjob_operator import api, builders
+from ddpjob_operator.core.actions import CreatePod, DeletePod, DeleteWhy, Observed, RemoveFinalizer
+from ddpjob_operator.core.reconcile import reconcile
 from ddpjob_operator.observe import ObservedPod, PodPhase, classify, observe_pod
-from ddpjob_operator.reconcile import (
-    CreatePod,
-    DeletePod,
-    DeleteWhy,
-    Observed,
-    RemoveFinalizer,
-    reconcile,
-)
 
 from .cluster import GRACE, T0, Cluster, stamp
 from .jobs import job as make_job

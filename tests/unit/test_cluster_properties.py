@@ -19,7 +19,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
 from ddpjob_operator import api, builders
-from ddpjob_operator.reconcile import desired_replicas
+from ddpjob_operator.core.facts import desired_replicas
 
 from .cluster import GRACE, Cluster
 from .jobs import job as make_job

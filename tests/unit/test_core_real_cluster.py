@@ -16,19 +16,13 @@ from typing import Any
 import pytest
 
 from ddpjob_operator import api
+from ddpjob_operator.core.actions import CreatePod, DeletePod, DeleteWhy, Observed, RemoveFinalizer
+from ddpjob_operator.core.events import MAX_EVENT_PODS
+from ddpjob_operator.core.facts import MAX_NEW_ACCOUNTED
+from ddpjob_operator.core.reconcile import reconcile
+from ddpjob_operator.core.running import MAX_WAITING
 from ddpjob_operator.errors import SpecError
-from ddpjob_operator.events import MAX_EVENT_PODS
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
-from ddpjob_operator.reconcile import (
-    MAX_NEW_ACCOUNTED,
-    MAX_WAITING,
-    CreatePod,
-    DeletePod,
-    DeleteWhy,
-    Observed,
-    RemoveFinalizer,
-    reconcile,
-)
 
 from .jobs import manifest
 from .test_reconcile import T0, kinds, make_job, pod, run, running_status

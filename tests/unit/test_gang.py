@@ -1,5 +1,5 @@
 """``gangScheduling: Native`` in the pure parts: the spec, the PodGroup and pods the builders
-make, and ``ddpjob_operator.gang``: the choice of group, the ``GangScheduled`` condition (through
+make, and ``ddpjob_operator.core.gang``: the choice of group, the ``GangScheduled`` condition (through
 ``reconcile()``), and when the PodGroup is posted (alone and through the controller). The real
 scheduler's side is in tests/integration/test_gang.py."""
 
@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 
-from ddpjob_operator import api, builders, gang
+from ddpjob_operator import api, builders
 from ddpjob_operator.controller import Controller, OperatorConfig
+from ddpjob_operator.core import gang
+from ddpjob_operator.core.actions import CreatePod, Decision, Observed
+from ddpjob_operator.core.reconcile import reconcile
 from ddpjob_operator.errors import SpecError
 from ddpjob_operator.kube import ApiError, Credentials, KubeApi
 from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
-from ddpjob_operator.reconcile import CreatePod, Decision, Observed, reconcile
 
 from .jobs import manifest
 from .test_crd import cel_violations, schema

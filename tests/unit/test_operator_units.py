@@ -33,10 +33,10 @@ from ddpjob_operator.controller import (
     settle_for,
     whole,
 )
+from ddpjob_operator.core.facts import DELETION_QUIET_SECONDS
 from ddpjob_operator.kube import ApiError, Credentials, KubeApi, OwnershipError
 from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod, PodPhase
-from ddpjob_operator.reconcile import DELETION_QUIET_SECONDS
 
 from .jobs import job, manifest
 

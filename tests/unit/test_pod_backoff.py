@@ -2,7 +2,7 @@
 after ``spec.podBackoff`` (10 s, doubling, at most 360 s; reset after 600 s of running), and
 the counts of one pass read in the order the failures happened.
 
-The rules are ``ddpjob_operator.backoff``'s; most tests drive them through ``reconcile()``.
+The rules are ``ddpjob_operator.core.backoff``'s; most tests drive them through ``reconcile()``.
 The state lives in ``status.podBackoff``: every test hands the last decision's status to the
 next pass, as the executors do (and as an operator that restarts reads it back).
 """
@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from ddpjob_operator import api, backoff
+from ddpjob_operator import api
+from ddpjob_operator.core import backoff
+from ddpjob_operator.core.actions import CreatePod, Decision
+from ddpjob_operator.core.events import Event
 from ddpjob_operator.errors import SpecError
-from ddpjob_operator.events import Event
 from ddpjob_operator.observe import ObservedPod, PodPhase
-from ddpjob_operator.reconcile import CreatePod, Decision
 
 from .jobs import manifest
 from .test_reconcile import T0, failed, kinds, make_job, pod, run, running_status

@@ -1,9 +1,9 @@
-"""Kueue in the pure parts: the Workloads :mod:`ddpjob_operator.queue` builds and what
-:func:`~ddpjob_operator.queue.plan` writes to them, the :class:`~ddpjob_operator.queue.Admission`
+"""Kueue in the pure parts: the Workloads :mod:`ddpjob_operator.core.queue` builds and what
+:func:`~ddpjob_operator.core.queue.plan` writes to them, the :class:`~ddpjob_operator.core.queue.Admission`
 the reconciler obeys, and the placement the builders put on an admitted job's pods.
 
 The protocol (Kueue v0.19.2) is in docs/design/kueue-workloads.md. Workloads are built here as
-the API server stores them: what :func:`~ddpjob_operator.queue.build_workload` made, plus a uid,
+the API server stores them: what :func:`~ddpjob_operator.core.queue.build_workload` made, plus a uid,
 a resourceVersion, a generation and the status Kueue writes."""
 
 from __future__ import annotations
@@ -17,11 +17,19 @@ from typing import Any
 
 import pytest
 
-from ddpjob_operator import api, builders, queue
+from ddpjob_operator import api, builders
 from ddpjob_operator.builders import Placement
-from ddpjob_operator.events import Event
-from ddpjob_operator.observe import ObservedPod, PodPhase
-from ddpjob_operator.queue import (
+from ddpjob_operator.core import queue
+from ddpjob_operator.core.actions import (
+    CreatePod,
+    Decision,
+    DeletePod,
+    DeleteWhy,
+    Observed,
+    RemoveFinalizer,
+)
+from ddpjob_operator.core.events import Event
+from ddpjob_operator.core.queue import (
     Admission,
     CreateWorkload,
     PatchWorkload,
@@ -30,15 +38,8 @@ from ddpjob_operator.queue import (
     ReleaseWorkload,
     Slice,
 )
-from ddpjob_operator.reconcile import (
-    CreatePod,
-    Decision,
-    DeletePod,
-    DeleteWhy,
-    Observed,
-    RemoveFinalizer,
-    reconcile,
-)
+from ddpjob_operator.core.reconcile import reconcile
+from ddpjob_operator.observe import ObservedPod, PodPhase
 
 from .jobs import manifest
 

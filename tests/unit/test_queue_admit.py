@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from ddpjob_operator import api, queue
+from ddpjob_operator import api
 from ddpjob_operator.builders import Placement
-from ddpjob_operator.queue import Admission, Observation, Plan, Priority, PriorityClass
+from ddpjob_operator.core import queue
+from ddpjob_operator.core.queue import Admission, Observation, Plan, Priority, PriorityClass
 
 from .test_queue import FLAVORS, NO_PRIORITY, T0, admitted, make_job, pending, planned
 

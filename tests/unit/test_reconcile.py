@@ -13,13 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 from ddpjob_operator import api, builders
 from ddpjob_operator.api import STORE_KEY_ENV
-from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
-from ddpjob_operator.reconcile import (
-    DELETION_BATCH_SECONDS,
-    DELETION_QUIET_SECONDS,
-    LARGE_JOB_PODS,
-    MAX_NEW_ACCOUNTED,
-    STRANDED_AFTER_SECONDS,
+from ddpjob_operator.core.actions import (
     CreatePod,
     CreateService,
     Decision,
@@ -27,10 +21,18 @@ from ddpjob_operator.reconcile import (
     DeletePod,
     Observed,
     RemoveFinalizer,
-    held_deletions,
-    reconcile,
-    store_keyed,
 )
+from ddpjob_operator.core.facts import (
+    DELETION_BATCH_SECONDS,
+    DELETION_QUIET_SECONDS,
+    LARGE_JOB_PODS,
+    MAX_NEW_ACCOUNTED,
+    held_deletions,
+)
+from ddpjob_operator.core.reconcile import reconcile
+from ddpjob_operator.core.running import store_keyed
+from ddpjob_operator.core.verdict import STRANDED_AFTER_SECONDS
+from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
 
 from .jobs import manifest
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from ddpjob_operator import api, builders
 from ddpjob_operator.api import DDPJobStatus, PodFailure, PodWaiting
-from ddpjob_operator.events import MAX_EVENT_PODS, Event, some
+from ddpjob_operator.core.events import MAX_EVENT_PODS, Event, some
 from ddpjob_operator.observe import ObservedPod, PodPhase
 
 

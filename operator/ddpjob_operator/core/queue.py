@@ -34,9 +34,9 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from . import api, builders
-from .builders import Placement
-from .observe import ObservedPod, PodPhase
+from ddpjob_operator import api, builders
+from ddpjob_operator.builders import Placement
+from ddpjob_operator.observe import ObservedPod, PodPhase
 
 JSON = dict[str, Any]
 

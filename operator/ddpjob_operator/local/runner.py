@@ -57,6 +57,9 @@ from typing import Any
 import psutil
 
 from ddpjob_operator import api, builders
+from ddpjob_operator.core.actions import CreatePod, DeleteJob, DeletePod, Observed, RemoveFinalizer
+from ddpjob_operator.core.facts import desired_replicas
+from ddpjob_operator.core.reconcile import reconcile
 from ddpjob_operator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, DDPJobError
 from ddpjob_operator.local.pods import (
     LocalPod,
@@ -70,15 +73,6 @@ from ddpjob_operator.local.pods import (
 from ddpjob_operator.local.view import View, make_view
 from ddpjob_operator.manifest import load_job_file
 from ddpjob_operator.observe import Reason
-from ddpjob_operator.reconcile import (
-    CreatePod,
-    DeleteJob,
-    DeletePod,
-    Observed,
-    RemoveFinalizer,
-    desired_replicas,
-    reconcile,
-)
 from ddpjob_worker.state import Phase as AgentPhase
 
 TICK_SECONDS = 0.2

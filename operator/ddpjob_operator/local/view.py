@@ -14,8 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ddpjob_operator import api
-from ddpjob_operator.events import Event
-from ddpjob_operator.reconcile import desired_replicas
+from ddpjob_operator.core.events import Event
+from ddpjob_operator.core.facts import desired_replicas
 
 if TYPE_CHECKING:
     from ddpjob_operator.local.pods import LocalPod
