@@ -363,7 +363,8 @@ def pass_in_process(pods: int, count: int = 50) -> JSON:
     import logging  # noqa: PLC0415
 
     from ddpjob_operator import agents  # noqa: PLC0415 - the operator's own code
-    from ddpjob_operator.controller import Controller, OperatorConfig, PodRecord  # noqa: PLC0415
+    from ddpjob_operator.controller import Controller, OperatorConfig, _Job  # noqa: PLC0415
+    from ddpjob_operator.executor import PodRecord  # noqa: PLC0415
     from ddpjob_operator.metrics import Metrics  # noqa: PLC0415
     from ddpjob_operator.observe import ObservedPod, PodPhase  # noqa: PLC0415
 
@@ -393,7 +394,7 @@ def pass_in_process(pods: int, count: int = 50) -> JSON:
     ]  # fmt: skip
     config = OperatorConfig(ask_agents=True)
     ctl = Controller(Kube(), Metrics(), config)  # type: ignore[arg-type]
-    survey = ctl._surveys.setdefault((NS, "big"), agents.Survey())
+    survey = ctl._jobs.setdefault((NS, "big"), _Job()).survey
     answers: dict[str, agents.AgentAnswer | None] = {
         r.observed.name: agents.AgentAnswer(i, "running", pods, host=i == 0, gen=1, round=1)
         for i, r in enumerate(records)

@@ -28,7 +28,8 @@ from typing import Any
 import kopf
 
 from ddpjob_operator import api
-from ddpjob_operator.controller import Controller, PodRecord, pod_record
+from ddpjob_operator.controller import Controller
+from ddpjob_operator.executor import PodRecord, pod_record
 from ddpjob_operator.kube import controller_uid
 
 OPERATOR_FINALIZER = "ddpjob.io/operator"

@@ -21,8 +21,9 @@ import dataclasses
 import json
 import logging
 import ssl
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import aiohttp
 import kubernetes
@@ -32,6 +33,7 @@ from ddpjob_operator.core import queue
 from ddpjob_operator.errors import DDPJobError
 
 JSON = dict[str, Any]
+T = TypeVar("T")
 logger = logging.getLogger("ddpjob_operator.kube")
 
 RETRY_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0)
@@ -510,3 +512,19 @@ def _api_error(status: int, text: str) -> ApiError:
         message = str(body.get("message") or message)
     kind = ConflictError if status == 409 else ApiError
     return kind(status, reason or "Error", message)
+
+
+class Kept(Generic[T]):
+    """Answers kept for a while, by key (discovery, ResourceFlavors: what changes seldom)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._kept: dict[str, tuple[T, float]] = {}
+
+    async def get(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
+        now = time.monotonic()
+        known = self._kept.get(key)
+        if known is None or now - known[1] > self.seconds:
+            known = (await fetch(), now)
+            self._kept[key] = known
+        return known[0]

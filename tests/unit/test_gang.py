@@ -402,7 +402,9 @@ def test_the_controller_remembers_the_group_it_posted() -> None:
     body["metadata"]["resourceVersion"] = "1"
     ctl = Controller(GangKube(body, served=True), Metrics(), OperatorConfig())  # type: ignore[arg-type]
     one_pass(ctl, body)
-    assert ctl._pod_groups[("ml", "demo")].min_count == 2
+    posted = ctl._jobs[("ml", "demo")].remembered.pod_group
+    assert posted is not None
+    assert posted.min_count == 2
 
 
 def test_without_the_api_no_group_is_posted_and_pods_have_none() -> None:

@@ -94,6 +94,9 @@ class Decision:
     events: tuple[Event, ...] = ()
     requeue_after: float | None = None
     """Seconds until a time-based rule (deadline, below-min, stuck pod, TTL) is due, if any."""
+    desired: int = 0
+    """The pods the job wants now: the spec's replicas within min and max, at most as many as
+    Kueue admits (0 for a job being deleted)."""
 
 
 def told_first(events: Sequence[Event], decision: Decision) -> Decision:

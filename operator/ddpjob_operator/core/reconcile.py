@@ -88,6 +88,7 @@ Rules, in the order they apply:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Sequence
 from typing import Any
@@ -136,9 +137,10 @@ def reconcile(
     else:
         decision = _unfinished(facts, status)
     # Our finalizer on a pod that is not this job's: its own job is gone, nobody counts it.
-    return also(
+    decision = also(
         decision, [RemoveFinalizer(p.name, p.uid, p.index) for p in facts.foreign if p.tracked]
     )
+    return dataclasses.replace(decision, desired=facts.desired)
 
 
 def _unfinished(facts: Facts, status: DDPJobStatus) -> Decision:

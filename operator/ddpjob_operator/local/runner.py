@@ -58,7 +58,6 @@ import psutil
 
 from ddpjob_operator import api, builders
 from ddpjob_operator.core.actions import CreatePod, DeleteJob, DeletePod, Observed, RemoveFinalizer
-from ddpjob_operator.core.facts import desired_replicas
 from ddpjob_operator.core.reconcile import reconcile
 from ddpjob_operator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, DDPJobError
 from ddpjob_operator.local.pods import (
@@ -114,6 +113,8 @@ class Progress:
     recovery_seconds: float = 0.0
     was_whole: bool = False
     last_tick: float = 0.0
+    desired: int = 0
+    """The pods the job wants, as the last pass decided."""
 
     def scan(self, pod: LocalPod) -> None:
         offset = self.offsets.get(pod.log_path, 0)
@@ -210,6 +211,7 @@ class LocalRunner:
             self._reload_manifest()
             decision = reconcile(self.job, self._observe(), dt.datetime.now(dt.UTC), self.network)
             self.job = self.job.model_copy(update={"status": decision.status})  # the one write
+            self.progress.desired = decision.desired
             for action in decision.actions:
                 self._execute(action, now)
             for event in decision.events:
@@ -282,7 +284,7 @@ class LocalRunner:
         for pod in self.pods.values():
             self.progress.scan(pod)
         status = self.job.status
-        whole = status.ready_replicas >= desired_replicas(self.job.spec)
+        whole = status.ready_replicas >= self.progress.desired
         completing = any(
             p.exit_code == 0
             or (p.agent_state is not None and p.agent_state.phase is AgentPhase.SUCCEEDED)

@@ -15,7 +15,6 @@ from rich.text import Text
 
 from ddpjob_operator import api
 from ddpjob_operator.core.events import Event
-from ddpjob_operator.core.facts import desired_replicas
 
 if TYPE_CHECKING:
     from ddpjob_operator.local.pods import LocalPod
@@ -51,7 +50,7 @@ def _headline(job: api.DDPJob, progress: Progress, elapsed: float) -> str:
     store = f"  store {status.store_host}" if status.store_host else ""
     return (
         f"{job.name}: {status.phase.value}  world {status.world_size}  "
-        f"pods {status.ready_replicas}/{desired_replicas(job.spec)} ready  "
+        f"pods {status.ready_replicas}/{progress.desired} ready  "
         f"replaced {status.restarts}{store}  step {step}  {elapsed:.0f}s"
     )
 
