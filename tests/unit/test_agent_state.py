@@ -240,6 +240,7 @@ def test_wait_for_endpoint_gives_up_at_the_deadline_naming_what_it_tried() -> No
 
 TORCH_SIDE = {
     "ddpjob_worker.agent.elastic",
+    "ddpjob_worker.agent.judge",
     "ddpjob_worker.agent.launch",
     "ddpjob_worker.agent.storelink",
     "ddpjob_worker.agent.rendezvous",

@@ -1,9 +1,9 @@
 """The elastic agent: torch's ``LocalElasticAgent``, with our recovery policy in its template.
 
 :class:`DdpjobAgent` keeps only what must sit on torch's subclass: its template overrides
-(``_invoke_run``, ``_rendezvous``, ``_start_workers``, ``_stop_workers``, ``_shutdown``, torch's
-own "stop restarting" watchdog), the decision after each look at the workers, giving up, and
-leaving. Each other concern is a room of its own, handed what it needs:
+(``_invoke_run``, ``_rendezvous``, ``_start_workers``, ``_stop_workers``, ``_shutdown``, torch's own
+"stop restarting" watchdog), giving up, and leaving. Each other concern is a room of its own, handed
+what it needs:
 
 * :mod:`~ddpjob_worker.agent.ledger`: the restart budget (a membership change never uses it up; a
   charge is refunded when the next round shows a member gone);
@@ -20,10 +20,12 @@ leaving. Each other concern is a room of its own, handed what it needs:
   spares, checkpoint waits, stopped workers gone before new ones start, orphans reaped as PID 1);
 * :mod:`~ddpjob_worker.agent.launch`: how the agent starts.
 
-torch's template cannot pass *why* it restarts the workers, so the reason is one record
-(:class:`Restart`), written just before ``_restart_workers`` and used up by ``_stop_workers``
-and ``_rendezvous``. Every transition is written to the state file
-(:mod:`ddpjob_worker.state`). docs/agent.md has the failure model and a glossary.
+The decision after each look, what a restart costs and the charges settled after the next round are
+:mod:`~ddpjob_worker.agent.judge`'s. torch's template cannot pass *why* it restarts the workers, so
+the reason is one record (:class:`~ddpjob_worker.agent.judge.Restart`), written just before
+``_restart_workers`` and used up by ``_stop_workers`` and ``_rendezvous``. Every transition is
+written to the state file (:mod:`ddpjob_worker.state`). docs/agent.md has the failure model and a
+glossary.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.launcher.api import LaunchConfig
 
 from ddpjob_worker.agent import doorbell, signals, warm, workers
-from ddpjob_worker.agent.blame import Blame, FailureReport, Verdict, describe_failure
-from ddpjob_worker.agent.hubrdzv import HubBackend, round_departed
+from ddpjob_worker.agent.blame import Blame, describe_failure
+from ddpjob_worker.agent.hubrdzv import HubBackend
+from ddpjob_worker.agent.judge import Judge, Restart, Tick
 from ddpjob_worker.agent.ledger import RestartLedger
-from ddpjob_worker.agent.policy import REAP_SECONDS, Action, Settings, WorkerStatus, decide
-from ddpjob_worker.agent.rendezvous import check_in, round_members
+from ddpjob_worker.agent.policy import REAP_SECONDS, Action, Settings, WorkerStatus
+from ddpjob_worker.agent.rendezvous import check_in
 from ddpjob_worker.agent.storelink import StoreLink
 from ddpjob_worker.bounded import call_bounded
 from ddpjob_worker.membership import liveness, watch
@@ -80,31 +83,6 @@ _STATUS = {
     WorkerState.FAILED: WorkerStatus.FAILED,
     WorkerState.UNHEALTHY: WorkerStatus.FAILED,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Tick:
-    """What one look at the workers and the round decided."""
-
-    status: WorkerStatus
-    action: Action
-    look: Look
-    verdict: Verdict
-
-
-@dataclasses.dataclass(frozen=True)
-class Restart:
-    """Why the agent restarts its workers: torch's ``_restart_workers(group)`` template has no
-    parameter for it, so the agent writes this just before, and ``_stop_workers`` and
-    ``_rendezvous`` use it up."""
-
-    stop_seconds: float
-    """SIGTERM to SIGKILL for the workers: short when their group is broken."""
-    lost: Health | None = None
-    """Not None: the store is lost, and this is what we know of its host."""
-    unsettled: tuple[Any, int] | None = None
-    """(round store, our node rank) of a failure whose charge is settled once the next round
-    has formed."""
 
 
 class DdpjobAgent(LocalElasticAgent):
@@ -155,6 +133,7 @@ class DdpjobAgent(LocalElasticAgent):
             listener=listener,
             backend=backend,
         )
+        self._judge = Judge(self._ledger, self._blame, self._link, self._watch, settings)
         self._restart = Restart(stop_seconds=settings.restart_stop_seconds)
         # (store, nodes) of each round we moved on from, for their exit barriers
         self._rounds_behind: list[tuple[Any, int | None]] = []
@@ -189,7 +168,7 @@ class DdpjobAgent(LocalElasticAgent):
             if status is None:
                 raise RuntimeError(f"[{role}] worker group in unexpected state {result.state.name}")
             failure = self._blame.failure(result.failures, group.group_rank or 0, noticed_at)
-            tick = self._next_action(group, status, failure)
+            tick = self._judge.next_action(group, status, failure)
             status = tick.status  # FAILED for a worker the hub found hung, though it runs
             steady = tick.action is Action.CONTINUE and status is WorkerStatus.HEALTHY
             if tick.action is Action.CONTINUE:
@@ -214,9 +193,9 @@ class DdpjobAgent(LocalElasticAgent):
             if tick.action is Action.GIVE_UP:
                 self._give_up(role, group, tick)
                 return result
-            self._restart = self._account(group, tick)
+            self._restart = self._judge.account(group, tick)
             self._announce_end(END_FAILURE if status is WorkerStatus.FAILED else END_JOIN, tick)
-            self._log_restart(role, tick)
+            self._judge.log_restart(role, tick)
             self._sync_budget(phase=Phase.RECOVERING)
             self._restart_workers(group)
             self._state.update(phase=Phase.RUNNING)
@@ -254,89 +233,6 @@ class DdpjobAgent(LocalElasticAgent):
             return None
         # One that torch has seen end (a rank done before the others) would ring forever.
         return self._exits.fds([proc.pid for proc in procs if proc.returncode is None])
-
-    def _next_action(
-        self, group: WorkerGroup, status: WorkerStatus, failure: FailureReport
-    ) -> Tick:
-        """What to do after one look at the workers and at the round."""
-        look = Look() if status is WorkerStatus.SUCCEEDED else self._look()
-        verdict = Verdict(collateral=False, store_lost=look.store_lost)
-        if look.hung:
-            # The hub found our worker holding the round up while the others waited in its
-            # collective: our failure (charged to us, a hang every time gives up in the end),
-            # though torch still sees it run; the restart's stop kills it.
-            logger.warning(
-                "our worker held round up past the hang threshold (the hub's verdict): "
-                "restarting it, charged to this node"
-            )
-            status = WorkerStatus.FAILED
-        elif status is WorkerStatus.FAILED and look.dropped:
-            # A member went silent: whatever our workers did, the group lost a member.
-            verdict = Verdict(collateral=True, store_lost=look.store_lost)
-        elif status is WorkerStatus.FAILED and not look.store_lost and not self._ledger.disabled:
-            verdict = self._report_failure(group, failure)
-        for _ in range(2):
-            action = decide(
-                status,
-                remaining_restarts=self._ledger.remaining,
-                nodes_waiting=look.waiting,
-                store_lost=verdict.store_lost,
-                collateral=verdict.collateral,
-                restarts_disabled=self._ledger.disabled,
-            )
-            if action is not Action.SETTLE_FIRST:
-                break
-            # No restart left: giving up is final, so wait for the peers' reports first.
-            verdict = self._settle_now(group)
-        if verdict.store_lost and not look.store_lost:
-            # The round's store failed us while we reported: its host is gone.
-            look = dataclasses.replace(look, host=Health.UNKNOWN)
-        return Tick(status, action, look, verdict)
-
-    def _look(self) -> Look:
-        """One look at the round (:meth:`ddpjob_worker.membership.watch.RoundControl.look`)."""
-        rdzv = self._link.rdzv
-        if rdzv is None:
-            return Look()
-        hosting = self._link.view.hosting
-        return rdzv.look(self._watch, hosting=hosting, limit=self._settings.store_read_limit)
-
-    def _account(self, group: WorkerGroup, tick: Tick) -> Restart:
-        """What a restart costs (:class:`ddpjob_worker.agent.ledger.RestartLedger`), and why it
-        happens."""
-        failed = tick.status is WorkerStatus.FAILED
-        unsettled = None
-        if tick.action is Action.RESTART_CHARGED:
-            self._ledger.charge()
-        elif tick.action is Action.RESTART_SETTLE_LATER:
-            # Restart at once; who is charged is settled when the next round has formed.
-            unsettled = (group.store, group.group_rank or 0)
-        else:
-            # Counted in TORCHELASTIC_RESTART_COUNT unless healthy workers only restart to admit
-            # a waiting node (torchrun does not count those either). A peer's failure or leave
-            # that ended our round counts too: under torchrun our workers would have failed.
-            self._ledger.free(after_failure=failed or tick.look.store_lost or tick.look.broken)
-        intact = not failed and not (tick.look.broken or tick.look.store_lost)
-        settings = self._settings
-        return Restart(
-            stop_seconds=settings.restart_stop_seconds if intact else settings.stop_seconds,
-            lost=tick.look.host,
-            unsettled=unsettled,
-        )
-
-    def _log_restart(self, role: str, tick: Tick) -> None:
-        logger.info(
-            "[%s] %s: restarting workers (%s; nodes waiting %d; store lost %s; "
-            "collateral %s; %d/%d restarts left)",
-            role,
-            tick.status.value,
-            tick.action.value,
-            tick.look.waiting,
-            tick.look.store_lost,
-            tick.verdict.collateral,
-            self._ledger.remaining,
-            self._ledger.budget.max_restarts,
-        )
 
     def _announce_end(self, reason: str, tick: Tick) -> None:
         """On our own evidence (not because a peer announced it, nor with the store lost), tell
@@ -383,29 +279,6 @@ class DdpjobAgent(LocalElasticAgent):
         (:func:`ddpjob_worker.agent.rendezvous.check_in`)."""
         rounds, self._rounds_behind = self._rounds_behind, []
         check_in(rounds)
-
-    # -- blame --------------------------------------------------------------------------------
-
-    def _report_failure(self, group: WorkerGroup, failure: FailureReport) -> Verdict:
-        """Report our failure to the round's store (:class:`ddpjob_worker.agent.blame.Blame`)."""
-        if group.store is None or group.group_rank is None:
-            return Verdict(collateral=False)
-        return self._blame.report(group.store, failure, hosting=self._link.view.hosting)
-
-    def _settle_now(self, group: WorkerGroup) -> Verdict:
-        """With no restart left: wait for the peers' reports before deciding (giving up is
-        final)."""
-        if group.store is None:
-            return Verdict(collateral=False)
-        return self._blame.wait_settled(
-            group.store,
-            group.group_rank or 0,
-            group.group_world_size or 1,
-            hosting=self._link.view.hosting,
-            member_gone=self._link.rdzv.member_gone if self._link.rdzv else lambda: False,
-        )
-
-    # -- workers --------------------------------------------------------------------------------
 
     def _check_uninterruptible_state_timeout(
         self, worker_group: WorkerGroup, timeout: float
@@ -555,7 +428,7 @@ class DdpjobAgent(LocalElasticAgent):
                 if time.monotonic() > by():
                     raise
                 logger.warning("the round broke before it started, rejoining: %s", exc)
-        self._after_round(worker_group, recovered, restart.unsettled)
+        self._sync_budget(**self._judge.after_round(worker_group, recovered, restart.unsettled))
         self._restart = Restart(stop_seconds=self._settings.restart_stop_seconds)
 
     def _joined(self, recovered: bool, left: tuple[Any, int | None]) -> None:
@@ -581,42 +454,6 @@ class DdpjobAgent(LocalElasticAgent):
             self._rounds_behind.clear()
         elif self._ledger.rounds:
             self._rounds_behind.append(left)
-
-    def _after_round(
-        self, worker_group: WorkerGroup, recovered: bool, unsettled: tuple[Any, int] | None
-    ) -> None:
-        """Settle charges and record the round just formed. A failure restarted for is charged
-        only if it was the root cause; a store that changed under us is a membership change,
-        free (the old round's reports died with its store)."""
-        new_nodes = worker_group.group_world_size
-        if new_nodes is None:
-            raise RuntimeError("rendezvous completed without a world size")
-        if unsettled is not None:
-            store, node = unsettled
-            hosting = self._link.view.hosting
-            self._ledger.settle(
-                root=not recovered and self._blame.is_root(store, node, hosting=hosting)
-            )
-        previous = self._ledger.previous_nodes
-        members = round_members(worker_group.spec.rdzv_handler)
-        departed = round_departed(worker_group.spec.rdzv_handler)
-        if self._ledger.round_formed(new_nodes, members, recovered=recovered, departed=departed):
-            logger.info(
-                "refunding the last restart: a membership change (nodes %s -> %s, store "
-                "recovered %s)",
-                previous,
-                new_nodes,
-                recovered,
-            )
-        local = [w.global_rank for w in worker_group.workers]
-        self._sync_budget(
-            rdzv_round=self._ledger.rounds,
-            num_nodes=new_nodes,
-            node_rank=worker_group.group_rank,
-            world_size=worker_group.workers[0].world_size if worker_group.workers else None,
-            group_rank_start=min(local) if local else None,
-            group_rank_end=max(local) + 1 if local else None,
-        )
 
     def _sync_budget(self, **changes: Any) -> None:
         """Mirror the budget into torch's counter (:meth:`RestartLedger.torch_counter`) and the

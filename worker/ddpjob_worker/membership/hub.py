@@ -40,11 +40,12 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from ddpjob_worker import hang
 from ddpjob_worker.membership import liveness
 from ddpjob_worker.membership.failover import has_quorum
+from ddpjob_worker.membership.forming import Admitted, Forming
 from ddpjob_worker.membership.hubwatch import TICK_SECONDS, HubWatch
 from ddpjob_worker.membership.liveness import Health
 from ddpjob_worker.membership.nodes import NodeIdent
@@ -121,9 +122,6 @@ class Hub:
         self._base: dict[NodeIdent, int | None] = dict(base or {})
         self._base_id = base_id
         self._gone: set[NodeIdent] = set(gone)
-        self._expected: frozenset[NodeIdent] | None = (
-            None if expected is None else frozenset(expected)
-        )
         self._clock = clock
         self._sessions: dict[NodeIdent, _Session] = {}
         self._watch = HubWatch(
@@ -136,17 +134,11 @@ class Hub:
         )
         self._round = 0
         self._forming = True
-        self._call_at: float | None = None
-        """When the last call ends (set once ``min_nodes`` have joined)."""
         self._participants: dict[NodeIdent, int] = {}
-        self._joined: dict[NodeIdent, _Session] = {}
-        """The members that asked to be in the round being formed."""
-        self._by_index: dict[int, NodeIdent] = {}
-        """Which of them holds each pod index (one per index: :meth:`_admit`)."""
-        self._holders = _holders(self._base)
-        """The last round's member of each pod index."""
-        self._missing: set[NodeIdent] = set(self._expected or ())
-        """The expected members not in it yet."""
+        self._formation: Forming[_Session] = Forming(
+            self._base, None if expected is None else frozenset(expected)
+        )
+        """The round being formed (:mod:`ddpjob_worker.membership.forming`)."""
         self._ack_line: bytes | None = None
         self._ack_round = -1
         self._cuts = 0
@@ -299,12 +291,12 @@ class Hub:
         if not self._forming and session.ident in self._participants:
             self._end(frozenset({"leave"}), cut=(session.ident,))
         else:
-            self._drop_from_forming({session.ident})
+            self._formation.drop({session.ident})
             self._maybe_complete()
 
     def _closed_session(self, session: _Session) -> None:
         session.closed = True
-        self._unjoin(session.ident)  # it joins again once reconnected
+        self._formation.unjoin(session.ident)  # it joins again once reconnected
         if session.left:
             del self._sessions[session.ident]
             self._watch.forget(session.ident)
@@ -324,14 +316,6 @@ class Hub:
                 session.writer.write(self._ack_line)
                 self.sent += 1
 
-    def _drop_from_forming(self, idents: set[NodeIdent]) -> None:
-        """Members that will not be in the round being formed (cut, or left)."""
-        for ident in idents:
-            self._unjoin(ident)
-            self._missing.discard(ident)
-        if self._expected is not None:
-            self._expected = self._expected - idents
-
     def _end(
         self,
         reasons: frozenset[str],
@@ -342,7 +326,7 @@ class Hub:
         its survivors. ``hung``: members whose worker held the round up (they stay)."""
         cut = set(cut)
         if self._forming:
-            self._drop_from_forming(cut)
+            self._formation.drop(cut)
             self._maybe_complete()
             return
         over = {
@@ -357,10 +341,7 @@ class Hub:
         self._broadcast(over, [ident for ident in self._participants if ident not in cut])
         self._round += 1
         self._forming = True
-        self._call_at = None
-        self._expected = frozenset(self._participants) - cut
-        self._missing = set(self._expected)
-        self._joined, self._by_index = {}, {}
+        self._formation = Forming(self._base, frozenset(self._participants) - cut)
         logger.info(
             "round %d.%d is over (%s%s): forming round %d",
             self.gen,
@@ -373,71 +354,33 @@ class Hub:
     def _maybe_complete(self) -> None:
         if not self._forming or self._closed:
             return
-        count = len(self._joined)
         now = self._clock()
-        if count >= self._min and self._call_at is None:
-            self._call_at = now + self._last_call
-        if count < self._min:
+        formation = self._formation
+        if not formation.due(now, self._min, self._max, self._last_call):
             return
-        full = count >= self._max or (self._expected is not None and not self._missing)
-        if not full and (self._call_at is None or now < self._call_at):
-            return
-        joined = list(self._joined.values())
-        idents = set(self._joined)
+        joined = list(formation.joined.values())
+        count = len(joined)
+        idents = set(formation.joined)
         indexes = {s.ident: s.index for s in joined}
         if self._base and not has_quorum(idents, self._base, self._gone, indexes):
             # Fenced: a majority of the last round is not here (maybe the other side of a
             # partition has it).
             if now - self._vetoed >= VETO_LOG_SECONDS:
                 self._vetoed = now
-                logger.info(
-                    "round %d.%d waits for a majority of the last round's members (%s): has %d "
-                    "of %d, %d known gone",
-                    self.gen,
-                    self._round,
-                    self._base_id,
-                    len(idents & set(self._base)),
-                    len(self._base),
-                    len(self._gone & set(self._base)),
+                _say_fenced(
+                    f"{self.gen}.{self._round}", self._base_id, idents, self._base, self._gone
                 )
             return
         self._complete(joined[: self._max] if count > self._max else joined)
 
     def _admit(self, session: _Session) -> bool:
-        """Add ``session`` to the round being formed, at most one agent per pod index: the
-        operator makes pod *i* again only once the old pod object is gone, so of two agents of
-        one index one belongs to a pod that no longer exists. Whether it was added.
-
-        * One that was a member before, is not in the last round (it was cut off) and whose
-          index a member of the last round holds (its replacement) is told it was replaced,
-          whether that replacement has asked to join yet or not: it stops without training.
-        * Of two that both asked, an agent never given a round (the replacement of a pod
-          whose object was deleted) goes before the last round's holder of the index, which
-          :meth:`_complete` then tells it was replaced; otherwise the first to ask stays.
-
-        One look per join (a map of the indexes), not a pass over every member."""
-        self._missing.discard(session.ident)  # it asked: whether it is in or not
-        index = session.index
-        if index is not None:
-            holder = self._holders.get(index)
-            if self._claim(session) == 0 and holder is not None and holder != session.ident:
-                self._drop_replaced(session, by=holder)
-                return False
-            other = self._joined.get(self._by_index.get(index, session.ident))
-            if other is not None and other.ident != session.ident:  # not itself, reconnected
-                if self._claim(session) <= self._claim(other):
-                    return False  # waits: the first to ask stays
-                self._unjoin(other.ident)
-                self._missing.discard(other.ident)
-            self._by_index[index] = session.ident
-        self._joined[session.ident] = session
-        return True
-
-    def _unjoin(self, ident: NodeIdent) -> None:
-        session = self._joined.pop(ident, None)
-        index = None if session is None else session.index
-        if index is not None and self._by_index.get(index) == ident:
-            del self._by_index[index]
+        """Add ``session`` to the round being formed (:meth:`Forming.admit`: at most one agent
+        per pod index); one whose index its replacement holds is told so. Whether it was
+        added."""
+        admitted, holder = self._formation.admit(session)
+        if admitted is Admitted.REPLACED and holder is not None:
+            self._drop_replaced(session, by=holder)
+        return admitted is Admitted.ADDED
 
     def _drop_replaced(self, session: _Session, *, by: NodeIdent) -> None:
         logger.warning(
@@ -446,17 +389,9 @@ class Hub:
             by,
             session.index,
         )
-        self._unjoin(session.ident)
+        self._formation.unjoin(session.ident)
         self._replaced.add(session.ident)
         self._send(session, {"t": "replaced", "gen": self.gen})
-
-    def _claim(self, session: _Session) -> int:
-        """How strong a member's claim to its pod index is: 2 for an agent never given a
-        round (a new pod), 1 for a member of the last round, 0 for another (it was in an
-        earlier round, and cut off)."""
-        if session.fresh:
-            return 2
-        return 1 if session.ident in self._base else 0
 
     def _complete(self, joined: list[_Session]) -> None:
         ordered = sorted(joined, key=lambda s: (s.index is None, s.index or 0, s.ident))
@@ -480,32 +415,21 @@ class Hub:
         # Whether a member of the last round is missing from this one, told to every member
         # in two fields: a failure that followed a membership change is nobody's charge.
         left = sum(1 for ident in self._base if ident not in self._participants)
-        chain = [[s.ident, s.index, s.liveness] for s in ordered[:CHAIN]]
-        world = len(ordered)
-        for rank, session in enumerate(ordered):
-            message: Message = {
-                "t": "round",
-                "gen": self.gen,
-                "round": self._round,
-                "rank": rank,
-                "world": world,
-                "base_id": base_id,
-                "boot": ordered[0].boot,
-                "prev": self._base_id,
-                "left": left,
-                "chain": chain,
-                "host": None if self._host is None else list(self._host),
-            }
-            if rank < CHAIN:
-                message["base"] = base
+        told: Message = {
+            "t": "round",
+            "gen": self.gen,
+            "round": self._round,
+            "base_id": base_id,
+            "prev": self._base_id,
+            "left": left,
+            "host": None if self._host is None else list(self._host),
+        }
+        for session, message in _round_messages(ordered, told, base):
             self._send(session, message)
+        world = len(ordered)
         self._base, self._base_id, self._gone = base, base_id, set()
-        self._holders = _holders(base)
         self._forming = False
-        self._expected = None
-        self._missing = set()
-        self._joined, self._by_index = {}, {}
-        self._call_at = None
+        self._formation = Forming(base, None)
         logger.info("round %s formed with %d members", base_id, world)
 
     # -- liveness -------------------------------------------------------------------------------
@@ -571,6 +495,41 @@ class Hub:
         )
 
 
-def _holders(base: Mapping[NodeIdent, int | None]) -> dict[int, NodeIdent]:
-    """Each pod index's member in a round's ``base``."""
-    return {index: ident for ident, index in base.items() if index is not None}
+def _round_messages(
+    ordered: list[_Session], told: Message, base: Mapping[NodeIdent, int | None]
+) -> Iterator[tuple[_Session, Message]]:
+    """Each member's message of a round just formed: what every member is ``told``, its rank,
+    the world, where rank 0 serves the workers' store, and the first ranks of the chain (which
+    would host the next generation in turn: they also get the whole round, the next majority's
+    base)."""
+    chain = [[s.ident, s.index, s.liveness] for s in ordered[:CHAIN]]
+    world = len(ordered)
+    for rank, session in enumerate(ordered):
+        message: Message = {
+            **told,
+            "rank": rank,
+            "world": world,
+            "boot": ordered[0].boot,
+            "chain": chain,
+        }
+        if rank < CHAIN:
+            message["base"] = base
+        yield session, message
+
+
+def _say_fenced(
+    forming: str,
+    base_id: str | None,
+    joined: set[NodeIdent],
+    base: Mapping[NodeIdent, int | None],
+    gone: set[NodeIdent],
+) -> None:
+    logger.info(
+        "round %s waits for a majority of the last round's members (%s): has %d of %d, %d "
+        "known gone",
+        forming,
+        base_id,
+        len(joined & set(base)),
+        len(base),
+        len(gone & set(base)),
+    )
