@@ -333,8 +333,9 @@ def owner_reference_rules() -> set[Rule]:
     ``blockOwnerDeletion``. (It asks for ``delete`` on the object itself only when an update
     changes its owner references; a create needs none, and the operator never updates them.)"""
     from ddpjob_operator import api, builders  # noqa: PLC0415
+    from ddpjob_operator.parse import parse_job  # noqa: PLC0415
 
-    job = api.parse_job(
+    job = parse_job(
         {
             "apiVersion": api.API_VERSION,
             "kind": api.KIND,

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ddpjob_operator import api, crd
+from ddpjob_operator import crd
 from ddpjob_operator.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -28,6 +28,7 @@ from ddpjob_operator.errors import (
 )
 from ddpjob_operator.local.options import add_run_arguments, check_run_arguments
 from ddpjob_operator.manifest import load_job_file
+from ddpjob_operator.parse import parse_job
 from ddpjob_operator.runtime import add_operator_arguments
 
 
@@ -129,7 +130,7 @@ def _scale(args: argparse.Namespace) -> int:
         raise ManifestError(f"{path}: changed while being read; run ddpjob scale again")
     wanted = doc
     wanted["spec"]["replicas"] = args.replicas
-    api.parse_job(wanted, source=str(path))  # the asked value must be valid on its own
+    parse_job(wanted, source=str(path))  # the asked value must be valid on its own
     candidates = list(_REPLICAS_LINE.finditer(text))
     if not candidates:
         raise ManifestError(

@@ -32,8 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from ddpjob_operator import agents, api, builders, kueue
-from ddpjob_operator.api import parse_job_lenient
-from ddpjob_operator.core import queue
+from ddpjob_operator.core import workload
 from ddpjob_operator.core.actions import (
     Action,
     CreatePod,
@@ -56,6 +55,7 @@ from ddpjob_operator.executor import ActionsFailedError, Executor, Expectations,
 from ddpjob_operator.kube import ApiError, ConflictError, Kept, KubeApi
 from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod
+from ddpjob_operator.parse import parse_job_lenient
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -115,7 +115,7 @@ class _Job:
     expected: Expectations = dataclasses.field(default_factory=Expectations)
     survey: agents.Survey = dataclasses.field(default_factory=agents.Survey)
     phase: api.JobPhase | None = None
-    priority: queue.Priority | None = None
+    priority: workload.Priority | None = None
     """The Workload's priority, kept once found (:meth:`kueue.Kueue.priority`)."""
     ignored: list[str] | None = None
     """The unknown fields last warned about."""
@@ -304,7 +304,7 @@ class Controller:
             observed = await self._ask_agents(job, ddpjob, observed)
         everyone = observed + job.expected.pending_pods(_index_of)
         watched = None
-        if queue.queue_name(ddpjob) is not None:
+        if workload.queue_name(ddpjob) is not None:
             watched = await self.kueue.observe(key[0], ddpjob, job.priority)
         seen = Seen(
             pods=everyone,
@@ -316,7 +316,7 @@ class Controller:
         planned = self._plan(ddpjob, seen, job)
         if planned.wants_priority and watched is not None:
             found = await self.kueue.priority(ddpjob)
-            if isinstance(found, queue.Priority):
+            if isinstance(found, workload.Priority):
                 job.priority = found
             seen = dataclasses.replace(seen, kueue=dataclasses.replace(watched, priority=found))
             planned = self._plan(ddpjob, seen, job)
@@ -395,7 +395,7 @@ class Controller:
         operator not granted Workloads would get a 403 for each."""
         try:
             finished = await self.release_workloads(
-                key[0], ddpjob.metadata.uid or "", *queue.LABEL_REMOVED
+                key[0], ddpjob.metadata.uid or "", *workload.LABEL_REMOVED
             )
         except ApiError as exc:  # the job itself runs on; tried again on the next pass
             job.remembered = dataclasses.replace(job.remembered, queued=True)
@@ -405,7 +405,7 @@ class Controller:
             logger.warning(
                 "the job no longer names a LocalQueue (%s): finished %d of its Workloads; it "
                 "runs without Kueue",
-                queue.QUEUE_LABEL,
+                workload.QUEUE_LABEL,
                 finished,
             )
 
@@ -433,7 +433,7 @@ class Controller:
         namespace: str,
         job_uid: str,
         reason: str = "OwnerNotFound",
-        message: str = queue.OWNER_GONE,
+        message: str = workload.OWNER_GONE,
     ) -> int:
         """A deleted job's Workloads (or, with another reason, one that left Kueue): Finished
         and without Kueue's finalizer (:meth:`kueue.Kueue.release`)."""

@@ -29,7 +29,7 @@ import aiohttp
 import kubernetes
 
 from ddpjob_operator import api
-from ddpjob_operator.core import queue
+from ddpjob_operator.core import workload
 from ddpjob_operator.errors import DDPJobError
 
 JSON = dict[str, Any]
@@ -343,7 +343,7 @@ class KubeApi:
         result = await self.request(
             "GET",
             f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads",
-            params={"labelSelector": f"{queue.JOB_UID_LABEL}={job_uid}"},
+            params={"labelSelector": f"{workload.JOB_UID_LABEL}={job_uid}"},
         )
         return list(result.get("items") or [])
 
@@ -352,13 +352,13 @@ class KubeApi:
             f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads/{name}"
         )
 
-    async def create_workload(self, namespace: str, workload: JSON) -> None:
+    async def create_workload(self, namespace: str, body: JSON) -> None:
         await self._create_or_say(
             namespace,
             f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads",
-            workload,
+            body,
             "Workload",
-            f", which the job's {queue.QUEUE_LABEL} label asks Kueue for",
+            f", which the job's {workload.QUEUE_LABEL} label asks Kueue for",
             "install the chart with kueue.enabled: true (it grants the operator Kueue's "
             "workloads, workloads/status and the flavors and priority classes it reads), or "
             "remove the label to run the job without Kueue. No pod is created until Kueue "
@@ -389,7 +389,7 @@ class KubeApi:
             f"/apis/{api.KUEUE_API}/namespaces/{namespace}/workloads/{name}",
             uid,
             finalizers,
-            queue.FINALIZER,
+            workload.FINALIZER,
         )
 
     async def get_resource_flavor(self, name: str) -> JSON | None:

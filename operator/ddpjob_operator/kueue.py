@@ -16,7 +16,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from ddpjob_operator import api
-from ddpjob_operator.core import queue
+from ddpjob_operator.core import queue, workload
 from ddpjob_operator.kube import ApiError, Kept, KubeApi, controller_uid
 
 JSON = dict[str, Any]
@@ -41,7 +41,7 @@ class Kueue:
         return await self._served.get("workloads", self.kube.workloads_served)
 
     async def observe(
-        self, namespace: str, job: api.DDPJob, priority: queue.Priority | None
+        self, namespace: str, job: api.DDPJob, priority: workload.Priority | None
     ) -> queue.Observation:
         """The job's Workloads and the flavors they were admitted to, as far as this operator
         may read them; ``priority``: the job's, if it is known already."""
@@ -54,7 +54,7 @@ class Kueue:
             if exc.status != 403:
                 raise
             return queue.Observation(served=True, forbidden=str(exc))
-        slices = tuple(queue.Slice.of(w) for w in listed if controller_uid(w) == uid)
+        slices = tuple(workload.Slice.of(w) for w in listed if controller_uid(w) == uid)
         flavors: dict[str, JSON] = {}
         for flavor in queue.flavors_to_read(slices):
             try:
@@ -68,18 +68,18 @@ class Kueue:
                 flavors[flavor] = found
         return queue.Observation(True, slices, None, flavors, priority)
 
-    async def priority(self, job: api.DDPJob) -> queue.Priority | str:
-        """The Workload's priority (:func:`queue.priority_class`); a class that does not exist:
+    async def priority(self, job: api.DDPJob) -> workload.Priority | str:
+        """The Workload's priority (:func:`workload.priority_class`); a class that does not exist:
         why, as a message."""
-        named = queue.priority_class(job)
+        named = workload.priority_class(job)
         value = 0 if named is None else await self.kube.priority_value(named.kueue, named.name)
-        return queue.priority(named, value)
+        return workload.priority(named, value)
 
-    def write(self, namespace: str, change: queue.WorkloadAction) -> Awaitable[Any]:
+    def write(self, namespace: str, change: workload.WorkloadAction) -> Awaitable[Any]:
         """The API call that carries out one of the core's Workload writes."""
-        if isinstance(change, queue.CreateWorkload):
+        if isinstance(change, workload.CreateWorkload):
             return self.kube.create_workload(namespace, change.body)
-        if isinstance(change, queue.PatchWorkload):
+        if isinstance(change, workload.PatchWorkload):
             return self.kube.patch_workload(
                 namespace, change.name, change.patch, status=change.status
             )
@@ -90,7 +90,7 @@ class Kueue:
         namespace: str,
         job_uid: str,
         reason: str = "OwnerNotFound",
-        message: str = queue.OWNER_GONE,
+        message: str = workload.OWNER_GONE,
     ) -> int:
         """A deleted job's Workloads (or, with another reason, one that left Kueue): Finished
         and without Kueue's finalizer, which nobody else removes while they keep their owner
@@ -108,32 +108,32 @@ class Kueue:
         for raw in listed:
             if controller_uid(raw) != job_uid:
                 continue
-            wl = queue.Slice.of(raw)
+            wl = workload.Slice.of(raw)
             if not wl.finished and not wl.deleting:
-                change = queue.finish(wl, reason, message, now)
+                change = workload.finish(wl, reason, message, now)
                 await self.kube.patch_workload(namespace, wl.name, change.patch, status=True)
                 found = await self.kube.get_workload(namespace, wl.name)
                 if found is None:
                     continue  # gone meanwhile
-                wl = queue.Slice.of(found)
+                wl = workload.Slice.of(found)
                 if not wl.finished and not wl.deleting:
                     # The patch was stale (Kueue wrote in between): released unfinished, it
                     # would keep its quota with nobody left to finish it. Tried again.
                     raise ApiError(
                         409, "Conflict", f"Workload {namespace}/{wl.name} changed while finished"
                     )
-            if queue.FINALIZER in wl.finalizers:
+            if workload.FINALIZER in wl.finalizers:
                 await self.kube.release_workload(namespace, wl.name, wl.uid, wl.finalizers)
                 released += 1
         return released
 
 
-def describe(change: queue.WorkloadAction) -> str:
+def describe(change: workload.WorkloadAction) -> str:
     """One line for the log."""
-    if isinstance(change, queue.CreateWorkload):
+    if isinstance(change, workload.CreateWorkload):
         spec = change.body["spec"]
         return f"create Workload {change.body['metadata']['name']} in {spec['queueName']}"
-    if isinstance(change, queue.PatchWorkload):
+    if isinstance(change, workload.PatchWorkload):
         what = "status" if change.status else "spec"
         return f"patch Workload {change.name} ({what}): {_brief(change.patch)}"
     return f"remove the finalizer of Workload {change.name}"

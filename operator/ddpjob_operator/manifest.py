@@ -8,6 +8,7 @@ import yaml
 
 from ddpjob_operator import api
 from ddpjob_operator.errors import ManifestError
+from ddpjob_operator.parse import parse_job
 
 
 def load_job_file(path: str | Path) -> api.DDPJob:
@@ -38,4 +39,4 @@ def load_job_file(path: str | Path) -> api.DDPJob:
         raise ManifestError(
             f"{path}: expected exactly one YAML document holding a DDPJob, found {len(documents)}"
         )
-    return api.parse_job(documents[0], source=str(path))
+    return parse_job(documents[0], source=str(path))

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from ddpjob_operator import api, builders
+from ddpjob_operator import builders
+from ddpjob_operator.parse import parse_job
 from tests.kube.fixtures import KubeTest, wait_for
 from tests.kueue.fixtures import MakeQueues, Queues
 from tests.kueue.process import GROUP, VERSION, Kueue
@@ -253,7 +254,7 @@ def test_ddpjob_owned_workload(kube: KubeTest, kueue: Kueue, kueue_queues: MakeQ
         },
     )
     # The owner reference ddpjob puts on every object of a job.
-    [owner] = builders.owner_references(api.parse_job(job))
+    [owner] = builders.owner_references(parse_job(job))
     name = f"ddpjob-trainer-{uuid.uuid4().hex[:5]}"
     created = wls.create(name, owner=owner)
     admitted = wait_for(lambda: wls.admitted(name), "the DDPJob's Workload admitted", timeout=30)

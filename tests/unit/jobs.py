@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 from ddpjob_operator import api
+from ddpjob_operator.parse import parse_job
 
 
 def manifest(**spec: Any) -> dict[str, Any]:
@@ -37,4 +38,4 @@ def manifest(**spec: Any) -> dict[str, Any]:
 
 
 def job(**spec: Any) -> api.DDPJob:
-    return api.parse_job(manifest(**spec))
+    return parse_job(manifest(**spec))

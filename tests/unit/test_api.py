@@ -9,13 +9,14 @@ import pytest
 
 from ddpjob_operator import api
 from ddpjob_operator.errors import SpecError
+from ddpjob_operator.parse import parse_job
 
 from .jobs import job, manifest
 
 
 def problems(document: Any) -> list[str]:
     with pytest.raises(SpecError) as caught:
-        api.parse_job(document)
+        parse_job(document)
     return [str(p) for p in caught.value.problems]
 
 
@@ -40,7 +41,7 @@ def test_round_trip_keeps_unknown_pod_fields() -> None:
     document = manifest()
     document["spec"]["template"]["spec"]["nodeSelector"] = {"gpu": "a100"}
     document["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"cpu": "2"}}
-    dumped = api.parse_job(document).model_dump(by_alias=True, exclude_none=True, mode="json")
+    dumped = parse_job(document).model_dump(by_alias=True, exclude_none=True, mode="json")
     pod_spec = dumped["spec"]["template"]["spec"]
     assert pod_spec["nodeSelector"] == {"gpu": "a100"}
     assert pod_spec["containers"][0]["resources"] == {"limits": {"cpu": "2"}}

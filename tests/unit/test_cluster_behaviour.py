@@ -16,6 +16,7 @@ from ddpjob_operator import api, builders
 from ddpjob_operator.core.actions import CreatePod, DeletePod, DeleteWhy, Observed, RemoveFinalizer
 from ddpjob_operator.core.reconcile import reconcile
 from ddpjob_operator.observe import ObservedPod, PodPhase, classify, observe_pod
+from ddpjob_operator.parse import parse_job
 
 from .cluster import GRACE, T0, Cluster, stamp
 from .jobs import job as make_job
@@ -539,7 +540,7 @@ def test_status_written_by_someone_else_still_parses() -> None:
         ],
         "somethingNew": {"a": 1},
     }
-    job = api.parse_job(document)
+    job = parse_job(document)
     assert job.status.conditions[0].type == "QueueAdmitted"
     assert job.status.failures[0].reason == "GPUXidError"
 

@@ -23,6 +23,7 @@ from ddpjob_operator.core.reconcile import reconcile
 from ddpjob_operator.core.running import MAX_WAITING
 from ddpjob_operator.errors import SpecError
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
+from ddpjob_operator.parse import parse_job, parse_job_lenient
 
 from .jobs import manifest
 from .test_reconcile import T0, kinds, make_job, pod, run, running_status
@@ -35,12 +36,12 @@ UID = "uid-demo"
 def test_the_operator_ignores_fields_a_newer_crd_defaults() -> None:
     document = manifest(futureKnob=3, rendezvous={"port": 29400, "newTimeout": 5})
     with pytest.raises(SpecError, match=r"spec\.futureKnob: unknown field"):
-        api.parse_job(document)  # ddpjob validate stays strict
-    job, ignored = api.parse_job_lenient(document)
+        parse_job(document)  # ddpjob validate stays strict
+    job, ignored = parse_job_lenient(document)
     assert sorted(ignored) == ["spec.futureKnob", "spec.rendezvous.newTimeout"]
     assert job.spec.rendezvous.port == 29400
     with pytest.raises(SpecError, match="minReplicas"):  # a real problem still is one
-        api.parse_job_lenient(manifest(futureKnob=3, minReplicas=9))
+        parse_job_lenient(manifest(futureKnob=3, minReplicas=9))
 
 
 def _legacy_invalid(**update: Any) -> api.DDPJobStatus:

@@ -21,6 +21,7 @@ from ddpjob_operator.errors import SpecError
 from ddpjob_operator.kube import ApiError, Credentials, KubeApi
 from ddpjob_operator.metrics import Metrics
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
+from ddpjob_operator.parse import parse_job
 
 from .jobs import manifest
 from .test_crd import cel_violations, schema
@@ -30,7 +31,7 @@ GANG = {"gangScheduling": "Native", "replicas": 3, "minReplicas": 2, "maxReplica
 
 
 def make_job(**spec: Any) -> api.DDPJob:
-    return api.parse_job(manifest(**{**GANG, **spec}))
+    return parse_job(manifest(**{**GANG, **spec}))
 
 
 def pod(index: int, phase: PodPhase = PodPhase.RUNNING, **kw: Any) -> ObservedPod:
@@ -62,7 +63,7 @@ def gang_condition(decision: Decision) -> tuple[str, str, str] | None:
 
 
 def test_gang_scheduling_is_off_by_default_and_native_on_request() -> None:
-    assert api.parse_job(manifest()).spec.gang_scheduling is api.GangScheduling.NONE
+    assert parse_job(manifest()).spec.gang_scheduling is api.GangScheduling.NONE
     assert make_job().spec.gang_scheduling is api.GangScheduling.NATIVE
     with pytest.raises(SpecError, match=r"spec\.gangScheduling"):
         make_job(gangScheduling="Volcano")
@@ -72,7 +73,7 @@ def test_a_gang_and_a_template_group_of_ones_own_are_refused_with_the_fix() -> N
     document = manifest(**GANG)
     document["spec"]["template"]["spec"]["schedulingGroup"] = {"podGroupName": "mine"}
     with pytest.raises(SpecError) as caught:
-        api.parse_job(document)
+        parse_job(document)
     assert "remove template.spec.schedulingGroup, or set gangScheduling: None" in str(caught.value)
     # The API server refuses it too (the CRD's CEL rule), before any operator sees it...
     assert cel_violations(schema(), document) == [
@@ -81,7 +82,7 @@ def test_a_gang_and_a_template_group_of_ones_own_are_refused_with_the_fix() -> N
     ]
     # ...and a group of one's own without a gang is passed through as it is.
     document["spec"]["gangScheduling"] = "None"
-    plain = api.parse_job(document)
+    plain = parse_job(document)
     assert builders.build_pod(plain, 0)["spec"]["schedulingGroup"] == {"podGroupName": "mine"}
 
 
@@ -99,7 +100,7 @@ def test_gang_scheduling_cannot_change_while_the_job_runs() -> None:
 def test_the_pod_group_is_the_jobs_with_min_count_min_replicas_and_the_templates_priority() -> None:
     document = manifest(**GANG)
     document["spec"]["template"]["spec"]["priorityClassName"] = "research"
-    job = api.parse_job(document)
+    job = parse_job(document)
     assert builders.build_pod_group(job) == {
         "apiVersion": "scheduling.k8s.io/v1beta1",
         "kind": "PodGroup",
@@ -176,7 +177,7 @@ def test_a_suspended_gang_is_no_longer_said_to_be_placed() -> None:
     again = run(resumed, pod(0), pod(1), pod(2))
     assert gang_condition(again) == ("True", "Placed", "gang of 2 placed: 3 of 3 pods bound")
     # A job that never asked for a gang gets no such condition when suspended either.
-    plain = api.parse_job(manifest(suspend=True))
+    plain = parse_job(manifest(suspend=True))
     assert gang_condition(run(plain)) is None
 
 
@@ -273,7 +274,7 @@ def test_pods_made_without_the_group_keep_new_pods_out_of_it() -> None:
 
 
 def test_a_job_without_a_gang_gets_no_group_and_no_condition() -> None:
-    job = api.parse_job(manifest(replicas=2))
+    job = parse_job(manifest(replicas=2))
     decision = run(job, served=True)
     assert groups(decision) == {0: None, 1: None}
     assert gang_condition(decision) is None

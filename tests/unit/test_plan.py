@@ -8,7 +8,7 @@ import dataclasses
 import datetime as dt
 
 from ddpjob_operator import api, builders
-from ddpjob_operator.core import gang, queue
+from ddpjob_operator.core import gang, queue, workload
 from ddpjob_operator.core.actions import CreatePod
 from ddpjob_operator.core.plan import Defaults, Remembered, Seen, invalid_status, plan
 from ddpjob_operator.core.settle import SETTLE_PODS, SETTLE_SECONDS
@@ -86,11 +86,11 @@ def test_a_new_workload_asks_for_the_priority_first() -> None:
     planned = plan(job, seen, NOW, CLOCK, Remembered(), Defaults(), KEY)
     assert planned.wants_priority
     assert not any(isinstance(a, CreatePod) for a in planned.decision.actions)
-    read = dataclasses.replace(seen, kueue=queue.Observation(True, priority=queue.Priority()))
+    read = dataclasses.replace(seen, kueue=queue.Observation(True, priority=workload.Priority()))
     again = plan(job, read, NOW, CLOCK, Remembered(), Defaults(), KEY)
     assert not again.wants_priority
     assert again.kueue is not None
-    assert any(isinstance(a, queue.CreateWorkload) for a in again.kueue.actions)
+    assert any(isinstance(a, workload.CreateWorkload) for a in again.kueue.actions)
 
 
 def test_a_job_that_left_its_queue_finishes_its_workloads_once() -> None:

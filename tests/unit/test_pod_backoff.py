@@ -20,6 +20,7 @@ from ddpjob_operator.core.actions import CreatePod, Decision
 from ddpjob_operator.core.events import Event
 from ddpjob_operator.errors import SpecError
 from ddpjob_operator.observe import ObservedPod, PodPhase
+from ddpjob_operator.parse import parse_job
 
 from .jobs import manifest
 from .test_reconcile import T0, failed, kinds, make_job, pod, run, running_status
@@ -128,7 +129,7 @@ def test_the_delays_of_one_index_double_from_the_start_up_to_the_cap() -> None:
 
 
 def test_the_defaults_are_the_job_controllers() -> None:
-    policy = api.parse_job(manifest()).spec.pod_backoff
+    policy = parse_job(manifest()).spec.pod_backoff
     assert (policy.initial_delay_seconds, policy.max_delay_seconds) == (10, 360)
     assert policy.reset_after_seconds == 600
     assert [policy.delay(n) for n in range(1, 8)] == [10, 20, 40, 80, 160, 320, 360]
@@ -246,7 +247,7 @@ def test_the_state_survives_an_operator_restart() -> None:
     assert wire["status"]["podBackoff"] == [
         {"index": 1, "failures": 2, "lastFailureTime": "2026-11-22T12:00:10Z"}
     ]
-    restarted = api.parse_job(wire)
+    restarted = parse_job(wire)
     decision = run(restarted, pod(0), now=at(11))
     assert kinds(decision) == [] and decision.requeue_after == 3.0
 
@@ -324,7 +325,7 @@ def test_a_bad_pod_backoff_names_the_field_and_the_fix(
     backoff: dict[str, Any], path: str, words: str
 ) -> None:
     with pytest.raises(SpecError) as caught:
-        api.parse_job(manifest(podBackoff=backoff))
+        parse_job(manifest(podBackoff=backoff))
     [problem] = caught.value.problems
     assert problem.path == path
     assert words in problem.message

@@ -3,7 +3,7 @@
 the reconciler obeys, and the placement the builders put on an admitted job's pods.
 
 The protocol (Kueue v0.19.2) is in docs/design/kueue-workloads.md. Workloads are built here as
-the API server stores them: what :func:`~ddpjob_operator.core.queue.build_workload` made, plus a uid,
+the API server stores them: what :func:`~ddpjob_operator.core.workload.build_workload` made, plus a uid,
 a resourceVersion, a generation and the status Kueue writes."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from ddpjob_operator import api, builders
 from ddpjob_operator.builders import Placement
-from ddpjob_operator.core import queue
+from ddpjob_operator.core import queue, workload
 from ddpjob_operator.core.actions import (
     CreatePod,
     Decision,
@@ -29,17 +29,17 @@ from ddpjob_operator.core.actions import (
     RemoveFinalizer,
 )
 from ddpjob_operator.core.events import Event
-from ddpjob_operator.core.queue import (
-    Admission,
+from ddpjob_operator.core.queue import Admission, Plan
+from ddpjob_operator.core.reconcile import reconcile
+from ddpjob_operator.core.workload import (
     CreateWorkload,
     PatchWorkload,
-    Plan,
     Priority,
     ReleaseWorkload,
     Slice,
 )
-from ddpjob_operator.core.reconcile import reconcile
 from ddpjob_operator.observe import ObservedPod, PodPhase
+from ddpjob_operator.parse import parse_job
 
 from .jobs import manifest
 
@@ -84,14 +84,14 @@ UNREACHABLE = "node.kubernetes.io/unreachable"
 def kueue_manifest(**spec: Any) -> JSON:
     """The unit tests' job, in LocalQueue ``team-a``, its trainer asking for a GPU."""
     document = manifest(**spec)
-    document["metadata"]["labels"] = {queue.QUEUE_LABEL: LOCAL_QUEUE}
+    document["metadata"]["labels"] = {workload.QUEUE_LABEL: LOCAL_QUEUE}
     trainer = document["spec"]["template"]["spec"]["containers"][0]
     trainer["resources"] = copy.deepcopy(RESOURCES)
     return document
 
 
 def make_job(status: api.DDPJobStatus | None = None, **spec: Any) -> api.DDPJob:
-    job = api.parse_job(kueue_manifest(**spec))
+    job = parse_job(kueue_manifest(**spec))
     return job.model_copy(update={"status": status}) if status is not None else job
 
 
@@ -146,12 +146,12 @@ def stored(
     rv: str = "100",
     active: bool | None = None,
     annotations: Mapping[str, str] | None = None,
-    finalizers: Sequence[str] = (queue.FINALIZER,),
+    finalizers: Sequence[str] = (workload.FINALIZER,),
     deleting: bool = False,
     replaces: Slice | None = None,
 ) -> Slice:
     """A Workload as the API server holds it once ddpjob made it and Kueue wrote its status."""
-    body = queue.build_workload(job, name, count, Priority(), replaces)
+    body = workload.build_workload(job, name, count, Priority(), replaces)
     meta = body["metadata"]
     meta.update(
         uid=f"uid-{name}", resourceVersion=rv, generation=GENERATION, finalizers=list(finalizers)
@@ -180,7 +180,7 @@ def admitted(
     """A slice Kueue admitted (QuotaReserved and Admitted True, ``status.admission`` set)."""
     return stored(
         job,
-        name or queue.workload_name(job),
+        name or workload.workload_name(job),
         count,
         conditions=[RESERVED, ADMITTED, *extra],
         admission=assigned(count if admitted_count is None else admitted_count, flavors),
@@ -190,7 +190,7 @@ def admitted(
 
 def pending(job: api.DDPJob, name: str | None = None, count: int = 2, **kw: Any) -> Slice:
     """A slice that waits in line: QuotaReserved False (Pending), no admission."""
-    return stored(job, name or queue.workload_name(job), count, conditions=[WAITING], **kw)
+    return stored(job, name or workload.workload_name(job), count, conditions=[WAITING], **kw)
 
 
 def planned(
@@ -232,7 +232,7 @@ def count_patch(wl: Slice, count: int) -> PatchWorkload:
 READY = cond("PodsReady", True, "Started", "All pods reached readiness and the workload is running")
 
 
-def canonical(action: queue.WorkloadAction) -> object:
+def canonical(action: workload.WorkloadAction) -> object:
     """A status patch with its conditions keyed by type (each type once): their order in the
     list means nothing to the API server."""
     if not isinstance(action, PatchWorkload) or "conditions" not in action.patch.get("status", {}):
@@ -268,22 +268,22 @@ def lost_node(key: str, seconds: int = 30) -> JSON:
 def test_the_workload_name_is_kueues_hash_of_kind_group_name_and_uid() -> None:
     job = make_job()
     digest = hashlib.sha1(b"DDPJob\nddpjob.io\ndemo\nuid-demo", usedforsecurity=False)
-    assert queue.workload_name(job) == "ddpjob-demo-" + digest.hexdigest()[:5]
-    assert queue.workload_name(job) == "ddpjob-demo-b0732"
+    assert workload.workload_name(job) == "ddpjob-demo-" + digest.hexdigest()[:5]
+    assert workload.workload_name(job) == "ddpjob-demo-b0732"
     with_extra = hashlib.sha1(b"DDPJob\nddpjob.io\ndemo\nuid-demo\n3-1", usedforsecurity=False)
-    assert queue.workload_name(job, "3-1") == "ddpjob-demo-" + with_extra.hexdigest()[:5]
-    assert queue.workload_name(job, "3-1") != queue.workload_name(job)
+    assert workload.workload_name(job, "3-1") == "ddpjob-demo-" + with_extra.hexdigest()[:5]
+    assert workload.workload_name(job, "3-1") != workload.workload_name(job)
     # Another job of the same name (a new uid) gets another Workload.
     other = job.model_copy(
         update={"metadata": job.metadata.model_copy(update={"uid": "uid-other"})}
     )
     again = hashlib.sha1(b"DDPJob\nddpjob.io\ndemo\nuid-other", usedforsecurity=False)
-    assert queue.workload_name(other) == "ddpjob-demo-" + again.hexdigest()[:5]
+    assert workload.workload_name(other) == "ddpjob-demo-" + again.hexdigest()[:5]
 
 
 def test_queue_name_is_the_jobs_label() -> None:
-    assert queue.queue_name(make_job()) == LOCAL_QUEUE
-    assert queue.queue_name(api.parse_job(manifest())) is None
+    assert workload.queue_name(make_job()) == LOCAL_QUEUE
+    assert workload.queue_name(parse_job(manifest())) is None
 
 
 # ---- build_workload ------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def test_queue_name_is_the_jobs_label() -> None:
 
 def test_the_first_slice_is_the_jobs_pods_in_its_queue_owned_and_held_by_kueues_finalizer() -> None:
     job = make_job()
-    body = queue.build_workload(job, "ddpjob-demo-b0732", 2, Priority())
+    body = workload.build_workload(job, "ddpjob-demo-b0732", 2, Priority())
     template = body["spec"]["podSets"][0]["template"]
     assert body == {
         "apiVersion": "kueue.x-k8s.io/v1beta2",
@@ -304,7 +304,7 @@ def test_the_first_slice_is_the_jobs_pods_in_its_queue_owned_and_held_by_kueues_
                 "kueue.x-k8s.io/elastic-job": "true",
                 "kueue.x-k8s.io/workload-slice-name": "ddpjob-demo-b0732",
                 "ddpjob.io/suspended": "false",
-                "ddpjob.io/template-hash": queue.template_hash(job),
+                "ddpjob.io/template-hash": workload.template_hash(job),
             },
             "finalizers": ["kueue.x-k8s.io/resource-in-use"],
             "ownerReferences": [
@@ -340,16 +340,16 @@ def test_the_first_slice_is_the_jobs_pods_in_its_queue_owned_and_held_by_kueues_
 def test_a_workload_carries_the_priority_and_its_class_only_when_there_is_one() -> None:
     job = make_job()
     ref = {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": "high"}
-    spec = queue.build_workload(job, "w", 3, Priority(1000, ref))["spec"]
+    spec = workload.build_workload(job, "w", 3, Priority(1000, ref))["spec"]
     assert (spec["priority"], spec["priorityClassRef"]) == (1000, ref)
     assert spec["podSets"][0]["count"] == 3
-    plain = queue.build_workload(job, "w", 3, Priority(7))["spec"]
+    plain = workload.build_workload(job, "w", 3, Priority(7))["spec"]
     assert plain["priority"] == 7
     assert "priorityClassRef" not in plain
 
 
 def test_a_suspended_job_gets_an_inactive_workload() -> None:
-    body = queue.build_workload(make_job(suspend=True), "w", 2, Priority())
+    body = workload.build_workload(make_job(suspend=True), "w", 2, Priority())
     assert body["spec"]["active"] is False
     assert body["metadata"]["annotations"]["ddpjob.io/suspended"] == "true"
 
@@ -360,15 +360,15 @@ def test_a_replacement_slice_names_the_slice_it_replaces_and_keeps_the_origin_na
     old = admitted(
         job,
         "ddpjob-demo-2nd00",
-        annotations={queue.SLICE_NAME_ANNOTATION: "ddpjob-demo-first"},
+        annotations={workload.SLICE_NAME_ANNOTATION: "ddpjob-demo-first"},
     )
-    body = queue.build_workload(job, "ddpjob-demo-3rd00", 3, Priority(), replaces=old)
+    body = workload.build_workload(job, "ddpjob-demo-3rd00", 3, Priority(), replaces=old)
     assert body["metadata"]["name"] == "ddpjob-demo-3rd00"
     assert body["metadata"]["annotations"] == {
         "kueue.x-k8s.io/elastic-job": "true",
         "kueue.x-k8s.io/workload-slice-name": "ddpjob-demo-first",
         "ddpjob.io/suspended": "false",
-        "ddpjob.io/template-hash": queue.template_hash(job),
+        "ddpjob.io/template-hash": workload.template_hash(job),
         "kueue.x-k8s.io/workload-slice-replacement-for": "ml/ddpjob-demo-2nd00",
     }
     assert body["spec"]["podSets"][0]["count"] == 3
@@ -391,7 +391,7 @@ def test_a_slice_reads_what_kueue_wrote() -> None:
     )
     assert (wl.queue, wl.finalizers, wl.deleting, wl.replaces) == (
         LOCAL_QUEUE,
-        (queue.FINALIZER,),
+        (workload.FINALIZER,),
         False,
         None,
     )
@@ -409,11 +409,11 @@ def test_a_slice_reads_what_kueue_wrote() -> None:
 
 def test_a_job_without_a_workload_creates_one_for_its_desired_pods_and_waits() -> None:
     job = make_job(replicas=3)
-    name = queue.workload_name(job)
+    name = workload.workload_name(job)
     result = planned(job, desired=3)
     assert result == Plan(
         Admission(0, None, False, "Queued", f"Workload {name} created in LocalQueue team-a"),
-        (CreateWorkload(queue.build_workload(job, name, 3, Priority())),),
+        (CreateWorkload(workload.build_workload(job, name, 3, Priority())),),
     )
     action = result.actions[0]
     assert isinstance(action, CreateWorkload)
@@ -504,17 +504,17 @@ def test_a_workload_being_deleted_is_released_and_replaced_once_it_is_gone() -> 
     # None holds resources: the finalizer goes; nothing new until the Workload is gone.
     assert planned(job, wl, pods=[pod(0, PodPhase.FAILED)]) == Plan(
         Admission(0, None, False, "WorkloadDeleted", message),
-        (ReleaseWorkload("ddpjob-demo-b0732", "uid-ddpjob-demo-b0732", (queue.FINALIZER,)),),
+        (ReleaseWorkload("ddpjob-demo-b0732", "uid-ddpjob-demo-b0732", (workload.FINALIZER,)),),
     )
 
 
 def test_a_template_changed_while_suspended_reaches_the_pending_workload() -> None:
     old = make_job(suspend=True)
-    wl = pending(old, active=False, annotations={queue.SUSPENDED_ANNOTATION: "true"})
+    wl = pending(old, active=False, annotations={workload.SUSPENDED_ANNOTATION: "true"})
     document = kueue_manifest()
     bigger = {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"nvidia.com/gpu": "2"}}
     document["spec"]["template"]["spec"]["containers"][0]["resources"] = bigger
-    resumed = api.parse_job(document)
+    resumed = parse_job(document)
     templates = [
         a.patch["spec"]["podSets"][0]["template"]
         for a in planned(resumed, wl).actions
@@ -526,8 +526,8 @@ def test_a_template_changed_while_suspended_reaches_the_pending_workload() -> No
 def test_a_new_queue_name_reaches_the_workload_that_waits() -> None:
     wl = pending(make_job(), rv="12")
     document = kueue_manifest()
-    document["metadata"]["labels"] = {queue.QUEUE_LABEL: "team-b"}
-    moved = api.parse_job(document)
+    document["metadata"]["labels"] = {workload.QUEUE_LABEL: "team-b"}
+    moved = parse_job(document)
     result = planned(moved, wl)
     queues = [
         a.patch["spec"]["queueName"]
@@ -629,16 +629,18 @@ def test_a_scale_up_asks_for_a_replacement_slice_of_the_full_size_and_keeps_runn
     job = make_job(replicas=3)
     head = admitted(job, extra=[READY])
     result = planned(job, head, pods=[pod(0), pod(1)], desired=3)
-    name = queue.workload_name(job, "3-1")  # the job's generation, the slices it has
-    assert result.actions == (CreateWorkload(queue.build_workload(job, name, 3, Priority(), head)),)
+    name = workload.workload_name(job, "3-1")  # the job's generation, the slices it has
+    assert result.actions == (
+        CreateWorkload(workload.build_workload(job, name, 3, Priority(), head)),
+    )
     (action,) = result.actions
     assert isinstance(action, CreateWorkload)
     assert action.body["metadata"]["name"] == name
     assert action.body["spec"]["podSets"][0]["count"] == 3
-    assert action.body["metadata"]["annotations"][queue.REPLACEMENT_ANNOTATION] == (
+    assert action.body["metadata"]["annotations"][workload.REPLACEMENT_ANNOTATION] == (
         "ml/ddpjob-demo-b0732"
     )
-    assert action.body["metadata"]["annotations"][queue.SLICE_NAME_ANNOTATION] == (
+    assert action.body["metadata"]["annotations"][workload.SLICE_NAME_ANNOTATION] == (
         "ddpjob-demo-b0732"
     )
     assert result.admission == Admission(
@@ -827,7 +829,7 @@ def test_a_cleared_reservation_waits_in_line_again() -> None:
     job = make_job()
     cleared = stored(
         job,
-        queue.workload_name(job),
+        workload.workload_name(job),
         conditions=[
             PREEMPTED,
             cond("Requeued", True, "Preempted", PREEMPTED_MESSAGE),
@@ -887,7 +889,7 @@ def test_a_finished_workload_loses_kueues_finalizer() -> None:
     wl = admitted(job, extra=[done])
     assert planned(job, wl) == Plan(
         Admission(0, None, False, "Finished", ""),
-        (ReleaseWorkload("ddpjob-demo-b0732", "uid-ddpjob-demo-b0732", (queue.FINALIZER,)),),
+        (ReleaseWorkload("ddpjob-demo-b0732", "uid-ddpjob-demo-b0732", (workload.FINALIZER,)),),
     )
     # Released already: nothing left to do.
     assert planned(job, admitted(job, extra=[done], finalizers=())).actions == ()
@@ -936,7 +938,7 @@ def test_a_replaced_slice_loses_its_finalizer_while_the_job_runs() -> None:
     new = admitted(job, "ddpjob-demo-r3p1c", count=3, replaces=old)
     result = planned(job, old, new, desired=3)
     assert result.actions == (
-        ReleaseWorkload("ddpjob-demo-b0732", "uid-ddpjob-demo-b0732", (queue.FINALIZER,)),
+        ReleaseWorkload("ddpjob-demo-b0732", "uid-ddpjob-demo-b0732", (workload.FINALIZER,)),
     )
     assert result.admission.count == 3
 
@@ -960,7 +962,7 @@ def suspend_patch(wl: Slice, suspend: bool) -> PatchWorkload:
 
 def test_suspending_a_job_deactivates_its_admitted_workload() -> None:
     job = make_job(suspend=True)
-    wl = admitted(job, annotations={queue.SUSPENDED_ANNOTATION: "false"}, rv="31")
+    wl = admitted(job, annotations={workload.SUSPENDED_ANNOTATION: "false"}, rv="31")
     result = planned(job, wl)
     assert result.actions == (suspend_patch(wl, True),)
     assert result.actions[0] == PatchWorkload(
@@ -975,7 +977,7 @@ def test_suspending_a_job_deactivates_its_admitted_workload() -> None:
 def test_suspend_is_copied_once_per_change() -> None:
     # Suspended and inactive already: nothing to write, however often it is planned.
     job = make_job(suspend=True)
-    wl = admitted(job, active=False, annotations={queue.SUSPENDED_ANNOTATION: "true"})
+    wl = admitted(job, active=False, annotations={workload.SUSPENDED_ANNOTATION: "true"})
     assert planned(job, wl).actions == ()
     # A pending one too.
     assert planned(job, pending(job, active=False)).actions == ()
@@ -983,7 +985,7 @@ def test_suspend_is_copied_once_per_change() -> None:
 
 def test_resuming_a_job_reactivates_its_pending_workload() -> None:
     job = make_job()
-    wl = pending(job, active=False, annotations={queue.SUSPENDED_ANNOTATION: "true"}, rv="8")
+    wl = pending(job, active=False, annotations={workload.SUSPENDED_ANNOTATION: "true"}, rv="8")
     result = planned(job, wl)
     assert result.actions == (suspend_patch(wl, False),)
     # As read it is still inactive: the job waits for the patch to land.
@@ -992,7 +994,7 @@ def test_resuming_a_job_reactivates_its_pending_workload() -> None:
 
 def test_suspending_a_job_whose_workload_waits_deactivates_it() -> None:
     job = make_job(suspend=True)
-    wl = pending(job, annotations={queue.SUSPENDED_ANNOTATION: "false"})
+    wl = pending(job, annotations={workload.SUSPENDED_ANNOTATION: "false"})
     assert planned(job, wl).actions == (suspend_patch(wl, True),)
 
 
@@ -1069,7 +1071,7 @@ def placed_job() -> api.DDPJob:
     template["spec"]["nodeSelector"] = {"disk": "ssd"}
     template["spec"]["tolerations"] = [GPU_TOLERATION]
     queued = api.DDPJobStatus(phase=api.JobPhase.QUEUED)
-    return api.parse_job(document).model_copy(update={"status": queued})
+    return parse_job(document).model_copy(update={"status": queued})
 
 
 def test_an_admitted_job_creates_its_pods_where_kueue_put_its_quota() -> None:
@@ -1104,7 +1106,7 @@ def test_an_admitted_job_creates_its_pods_where_kueue_put_its_quota() -> None:
             "kueue.x-k8s.io/workload": "ddpjob-demo-b0732",
         }
         # Never the queue-name label: Kueue's pod webhook would take the pod for its own.
-        assert queue.QUEUE_LABEL not in meta["labels"]
+        assert workload.QUEUE_LABEL not in meta["labels"]
     assert decision.status.phase is api.JobPhase.PENDING
     assert decision.events == (
         Event("Normal", "Admitted", message),
@@ -1126,7 +1128,7 @@ def test_an_admitted_job_creates_no_more_pods_than_kueue_admitted() -> None:
 
 
 def test_a_job_without_a_queue_gets_no_admitted_condition() -> None:
-    decision = reconcile(api.parse_job(manifest()), Observed((), True), T0)
+    decision = reconcile(parse_job(manifest()), Observed((), True), T0)
     assert [c for c in decision.status.conditions if c.type == "Admitted"] == []
     assert len([a for a in decision.actions if isinstance(a, CreatePod)]) == 2
 
@@ -1181,7 +1183,7 @@ def test_plan_and_reconcile_from_creation_to_running() -> None:
 def test_a_flavors_node_label_wins_over_the_templates_entry_of_the_same_key() -> None:
     document = kueue_manifest()
     document["spec"]["template"]["spec"]["nodeSelector"] = {"pool": "cpu", "disk": "ssd"}
-    job = api.parse_job(document)
+    job = parse_job(document)
     placement = Placement({"pool": "a100"}, (), {}, {})
     pod_spec = builders.build_pod(job, 1, placement=placement)["spec"]
     assert pod_spec["nodeSelector"] == {"pool": "a100", "disk": "ssd"}
@@ -1213,25 +1215,28 @@ def test_kueues_labels_never_replace_the_jobs_own(index: int) -> None:
 
 def test_the_template_hash_follows_the_pod_template_and_nothing_else() -> None:
     job = make_job()
-    assert queue.template_hash(job) == queue.template_hash(make_job())
-    assert queue.template_hash(job) == queue.template_hash(make_job(replicas=3))
+    assert workload.template_hash(job) == workload.template_hash(make_job())
+    assert workload.template_hash(job) == workload.template_hash(make_job(replicas=3))
     document = kueue_manifest()
     document["spec"]["template"]["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "8"}}
-    assert queue.template_hash(api.parse_job(document)) != queue.template_hash(job)
+    assert workload.template_hash(parse_job(document)) != workload.template_hash(job)
 
 
 def test_a_resumed_and_rescaled_job_sends_its_waiting_workload_one_patch() -> None:
     """Suspend flag, count and queue go in one patch: two on one resourceVersion would 409."""
-    wl = pending(make_job(), rv="40", annotations={queue.SUSPENDED_ANNOTATION: "true"})
+    wl = pending(make_job(), rv="40", annotations={workload.SUSPENDED_ANNOTATION: "true"})
     document = kueue_manifest(replicas=3)
-    document["metadata"]["labels"] = {queue.QUEUE_LABEL: "team-b"}
-    job = api.parse_job(document)
+    document["metadata"]["labels"] = {workload.QUEUE_LABEL: "team-b"}
+    job = parse_job(document)
     (action,) = planned(job, wl, desired=3).actions
     assert isinstance(action, PatchWorkload) and not action.status
     pod_sets = [dict(p) for p in wl.pod_sets]
     pod_sets[0]["count"] = 3
     assert action.patch == {
-        "metadata": {"resourceVersion": "40", "annotations": {queue.SUSPENDED_ANNOTATION: "false"}},
+        "metadata": {
+            "resourceVersion": "40",
+            "annotations": {workload.SUSPENDED_ANNOTATION: "false"},
+        },
         "spec": {"active": True, "queueName": "team-b", "podSets": pod_sets},
     }
 
@@ -1239,10 +1244,10 @@ def test_a_resumed_and_rescaled_job_sends_its_waiting_workload_one_patch() -> No
 def test_an_admitted_workload_is_never_sent_a_queue_or_template() -> None:
     """Both are immutable while the quota is reserved (CEL and Kueue's webhook)."""
     job = make_job()
-    wl = admitted(job, annotations={queue.TEMPLATE_ANNOTATION: "stale"})
+    wl = admitted(job, annotations={workload.TEMPLATE_ANNOTATION: "stale"})
     document = kueue_manifest()
-    document["metadata"]["labels"] = {queue.QUEUE_LABEL: "team-b"}
-    assert planned(api.parse_job(document), wl).actions == ()
+    document["metadata"]["labels"] = {workload.QUEUE_LABEL: "team-b"}
+    assert planned(parse_job(document), wl).actions == ()
 
 
 # ---- PodsReady (Kueue's waitForPodsReady) -------------------------------------------------------
@@ -1325,7 +1330,7 @@ def test_a_bigger_slice_that_waits_for_admission_checks_keeps_the_job_at_its_old
         "Admitted",
         "admitted for 2 pods; asking Kueue for 3: The workload has not all checks ready",
     )
-    assert result.actions == (ReleaseWorkload(old.name, old.uid, (queue.FINALIZER,)),)
+    assert result.actions == (ReleaseWorkload(old.name, old.uid, (workload.FINALIZER,)),)
 
 
 def test_admission_checks_pod_set_updates_reach_the_pods() -> None:
@@ -1348,7 +1353,7 @@ def test_admission_checks_pod_set_updates_reach_the_pods() -> None:
     assert where.tolerations == (GPU_TOLERATION, {"key": "booked", "operator": "Exists"})
     assert where.labels["autoscaling.x-k8s.io/provisioning"] == "yes"
     assert where.annotations == {
-        queue.POD_WORKLOAD_ANNOTATION: wl.name,
+        workload.POD_WORKLOAD_ANNOTATION: wl.name,
         "autoscaling.x-k8s.io/consume-provisioning-request": "pr-1",
     }
 
@@ -1380,7 +1385,7 @@ def test_a_deleted_slice_that_holds_no_quota_is_released_while_the_job_runs() ->
     head = admitted(job, extra=[READY])
     gone = pending(job, "ddpjob-demo-r3p1c", count=3, deleting=True, replaces=head)
     result = planned(job, head, gone, pods=[pod(0), pod(1)])
-    assert result.actions == (ReleaseWorkload(gone.name, gone.uid, (queue.FINALIZER,)),)
+    assert result.actions == (ReleaseWorkload(gone.name, gone.uid, (workload.FINALIZER,)),)
     assert result.admission.count == 2
 
 

@@ -13,8 +13,10 @@ import pytest
 
 from ddpjob_operator import api
 from ddpjob_operator.builders import Placement
-from ddpjob_operator.core import queue
-from ddpjob_operator.core.queue import Admission, Observation, Plan, Priority, PriorityClass
+from ddpjob_operator.core import queue, workload
+from ddpjob_operator.core.queue import Admission, Observation, Plan
+from ddpjob_operator.core.workload import Priority, PriorityClass
+from ddpjob_operator.parse import parse_job
 
 from .test_queue import FLAVORS, NO_PRIORITY, T0, admitted, make_job, pending, planned
 
@@ -32,8 +34,8 @@ FORBIDDEN = (
 )
 
 
-def without_creation(plan: Plan) -> tuple[queue.WorkloadAction, ...]:
-    return tuple(a for a in plan.actions if not isinstance(a, queue.CreateWorkload))
+def without_creation(plan: Plan) -> tuple[workload.WorkloadAction, ...]:
+    return tuple(a for a in plan.actions if not isinstance(a, workload.CreateWorkload))
 
 
 def scaled_up(job: api.DDPJob) -> Plan:
@@ -105,7 +107,7 @@ def test_a_job_whose_priority_is_read_gets_its_workload_with_it() -> None:
     again = queue.admit(job, dataclasses.replace(seen, priority=HIGH), [], 2, T0)
     assert again == planned(job, priority=HIGH)
     [create] = again.actions
-    assert isinstance(create, queue.CreateWorkload)
+    assert isinstance(create, workload.CreateWorkload)
     assert create.body["spec"]["priority"] == 1000
 
 
@@ -120,7 +122,7 @@ def test_only_the_admitted_slices_flavors_are_read() -> None:
 
 WAITS = Admission(0, None, False, "Queued", "")
 RUNS = Admission(2, Placement(), True, "Admitted", "")
-WRITE = (queue.PatchWorkload("w", {}),)
+WRITE = (workload.PatchWorkload("w", {}),)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +150,7 @@ WRITE = (queue.PatchWorkload("w", {}),)
 )
 def test_a_kueue_jobs_workloads_are_read_as_often_as_it_waits_on_them(
     admission: Admission,
-    actions: tuple[queue.WorkloadAction, ...],
+    actions: tuple[workload.WorkloadAction, ...],
     finished: bool,
     seconds: float | None,
 ) -> None:
@@ -159,12 +161,12 @@ def with_classes(kueue_class: str = "", pod_class: str = "") -> api.DDPJob:
     job = make_job()
     labels = {**(job.metadata.labels or {})}
     if kueue_class:
-        labels[queue.PRIORITY_CLASS_LABEL] = kueue_class
+        labels[workload.PRIORITY_CLASS_LABEL] = kueue_class
     document: Any = job.model_dump(by_alias=True, mode="json")
     document["metadata"]["labels"] = labels
     if pod_class:
         document["spec"]["template"]["spec"]["priorityClassName"] = pod_class
-    return api.parse_job(document)
+    return parse_job(document)
 
 
 @pytest.mark.parametrize(
@@ -179,7 +181,7 @@ def with_classes(kueue_class: str = "", pod_class: str = "") -> api.DDPJob:
 def test_the_priority_class_is_kueues_label_else_the_pods(
     job: api.DDPJob, named: PriorityClass | None
 ) -> None:
-    assert queue.priority_class(job) == named
+    assert workload.priority_class(job) == named
 
 
 @pytest.mark.parametrize(
@@ -207,4 +209,4 @@ def test_the_priority_class_is_kueues_label_else_the_pods(
 def test_the_priority_is_the_classs_value_or_why_there_is_none(
     named: PriorityClass | None, value: int | None, found: Priority | str
 ) -> None:
-    assert queue.priority(named, value) == found
+    assert workload.priority(named, value) == found

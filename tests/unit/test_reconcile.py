@@ -33,6 +33,7 @@ from ddpjob_operator.core.reconcile import reconcile
 from ddpjob_operator.core.running import store_keyed
 from ddpjob_operator.core.verdict import STRANDED_AFTER_SECONDS
 from ddpjob_operator.observe import ObservedPod, PodPhase, observe_pod
+from ddpjob_operator.parse import parse_job
 
 from .jobs import manifest
 
@@ -41,7 +42,7 @@ _uids = itertools.count()
 
 
 def make_job(status: api.DDPJobStatus | None = None, **spec: Any) -> api.DDPJob:
-    job = api.parse_job(manifest(**spec))
+    job = parse_job(manifest(**spec))
     return job.model_copy(update={"status": status}) if status is not None else job
 
 

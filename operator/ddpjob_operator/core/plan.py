@@ -17,7 +17,7 @@ import datetime as dt
 from typing import Any
 
 from ddpjob_operator import api, builders
-from ddpjob_operator.core import gang, queue
+from ddpjob_operator.core import gang, queue, workload
 from ddpjob_operator.core.actions import CreatePod, Decision, Observed
 from ddpjob_operator.core.facts import desired_replicas
 from ddpjob_operator.core.reconcile import INVALID_SPEC, reconcile
@@ -109,7 +109,7 @@ def plan(
     against), ``clock`` a monotonic one (what the memory is stamped on), ``store_key`` a fresh
     random key for a Secret made now."""
     own = [p for p in seen.pods if p.owned_by(job.metadata.uid)]
-    named = queue.queue_name(job) is not None
+    named = workload.queue_name(job) is not None
     kueue = None
     if named and seen.kueue is not None:
         kueue = queue.admit(job, seen.kueue, own, desired_replicas(job.spec), now)
