@@ -1,6 +1,6 @@
 """Benchmark: stock torchrun vs ``ddpjob-agent`` on the same scenarios, on this machine.
 
-Each scenario starts agents as local "nodes" on 127.0.0.1 (``tests.harness``), with the
+Each scenario starts agents as local "nodes" on 127.0.0.1 (``tests.harness.agents``), with the
 same env contract for both launchers (the one the operator writes, including
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), and measures wall time from outside the processes by
 polling the training script's log lines every 20 ms:
@@ -23,7 +23,7 @@ polling the training script's log lines every 20 ms:
 * ``master freeze``: 3 nodes (2:3), the same on the store host: freeze -> a step at world 2 on
   nodes 1 and 2;
 * ``node partition`` / ``master partition``: 3 nodes (2:3), each in a network namespace of its
-  own (``tests.netns``, needs root); node 1's, or the store host's, link to the others goes
+  own (``tests.harness.netns``, needs root); node 1's, or the store host's, link to the others goes
   down (a partition: packets dropped, no reset): cut -> a step at world 2 on the two others;
 * ``master loss, no replacement``: 3 nodes (2:3), SIGKILL the store host's whole tree and do
   not start it again: kill -> a step at world 2 on nodes 1 and 2;
@@ -73,9 +73,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.harness.agents
 from ddpjob_operator.api import Rendezvous
-from tests.harness import STEP_RE, Cluster, Node
+from tests.harness.agents import STEP_RE, Cluster, Node
 
 POLL = 0.02
 SETTLE_SECONDS = 3.0

@@ -1,5 +1,5 @@
-"""Benchmark: one job of N hollow agents (``tests.hollow``): rounds, losses and what membership
-costs, for ddpjob-agent and for stock torch (the anchor), in the same run.
+"""Benchmark: one job of N hollow agents (``tests.harness.hollow_agents``): rounds, losses and what
+membership costs, for ddpjob-agent and for stock torch (the anchor), in the same run.
 
 Each process hosts agents on loopback addresses of their own (127.2.x.y); agent 0, which hosts
 the job's store, has a process of its own, as do its successor (agent 1) when the host is lost
@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.hollow
-from tests.hollow import NODE_SIZE, SWITCH_INTERVAL_ENV, Job  # noqa: E402
+sys.path.insert(0, str(REPO))  # tests.harness.hollow_agents
+from tests.harness.hollow_agents import NODE_SIZE, SWITCH_INTERVAL_ENV, Job  # noqa: E402
 
 CAP_SECONDS = 120.0
 SETTLE_SECONDS = 3.0

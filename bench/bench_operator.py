@@ -9,10 +9,10 @@ beside it: :mod:`bench.scale_job` says what it measures.
 
 Backends, in the same run:
 
-* ``emulator``: :mod:`tests.emulator` in its own process, with its automatic kubelet (new pods
-  are Running at once; graceful deletions are confirmed). The floor of what the operator
-  itself costs.
-* ``real``: the real control plane of :mod:`tests.kube` (kube-apiserver, controllers,
+* ``emulator``: :mod:`tests.harness.emulator` in its own process, with its automatic kubelet (new
+  pods are Running at once; graceful deletions are confirmed). The floor of what the operator itself
+  costs.
+* ``real``: the real control plane of :mod:`tests.harness.kube` (kube-apiserver, controllers,
   scheduler) with three process kubelets that run every pod as a real process: a no-op
   ``sleep`` that exits 0 at a set time. Pods are scheduled, started and reported by real
   components, as a user's pods are. The operator runs with the Helm chart's RBAC.
@@ -50,11 +50,11 @@ import psutil
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.emulator, tests.kube
+sys.path.insert(0, str(ROOT))  # tests.harness.emulator, tests.harness.kube
 from bench import cluster_bench  # noqa: E402
-from tests.emulator import EmulatorProcess  # noqa: E402
-from tests.kube import fixtures  # noqa: E402
-from tests.kube.controlplane import ControlPlane  # noqa: E402
+from tests.harness.emulator import EmulatorProcess  # noqa: E402
+from tests.harness.kube import fixtures  # noqa: E402
+from tests.harness.kube.controlplane import ControlPlane  # noqa: E402
 
 NS = "bench"
 DDPJOB = str(Path(sys.executable).parent / "ddpjob")

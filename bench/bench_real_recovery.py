@@ -8,12 +8,12 @@ still resolves to the dying pod through its grace period (a ``publishNotReadyAdd
 Service keeps a terminating pod in its EndpointSlice; issue 14 point 21). Deleting pod 1 is
 the baseline, in the same run, on the same cluster and job.
 
-The run: the real control plane of the tests (``tests.kube``: kube-apiserver 1.37.2, the real
-scheduler and controllers, 3 process kubelets), the chart installed with helm (the operator is
-the chart's Deployment on a process kubelet), and ``examples/kind-cpu.yaml`` with more steps
-(2 pods x 1 worker of ``examples/train.py``, gloo, a step every 0.1 s, a checkpoint every 50
-steps). Each run waits for both pods to train at world 2 for 5 s, deletes pod 0 or pod 1 (in
-turn, alternating which goes first), and measures from the delete request:
+The run: the real control plane of the tests (``tests.harness.kube``: kube-apiserver 1.37.2, the
+real scheduler and controllers, 3 process kubelets), the chart installed with helm (the operator is
+the chart's Deployment on a process kubelet), and ``examples/kind-cpu.yaml`` with more steps (2 pods
+x 1 worker of ``examples/train.py``, gloo, a step every 0.1 s, a checkpoint every 50 steps). Each
+run waits for both pods to train at world 2 for 5 s, deletes pod 0 or pod 1 (in turn, alternating
+which goes first), and measures from the delete request:
 
 * ``first step``: the first step of a new round logged by any pod;
 * ``full world``: both pods (the replacement included) have logged a step of a new round at
@@ -51,13 +51,13 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.*
-from tests import tools
-from tests.e2e.cluster import Kube
-from tests.e2e.conftest import REAL_WORKER_IMAGE, install_on_real
-from tests.harness import RESUME_RE, STEP_RE
-from tests.kube import fixtures
-from tests.kube.client import ApiError, Client
-from tests.kube.controlplane import ControlPlane
+from tests.harness import tools
+from tests.harness.agents import RESUME_RE, STEP_RE
+from tests.harness.install import REAL_WORKER_IMAGE, install_on_real
+from tests.harness.kube import fixtures
+from tests.harness.kube.client import ApiError, Client
+from tests.harness.kube.controlplane import ControlPlane
+from tests.harness.kubectl import Kube
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "kind-cpu"

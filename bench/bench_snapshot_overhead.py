@@ -13,7 +13,7 @@ bookkeeping. It prints the mean step time of each (a snapshot every few steps sh
 the mean), the ratios of ``auto`` to the baselines, and the snapshot's own times: what the
 commit took on the training thread and the background copy's.
 
-Models: ``toy`` (``tests/integration/snap_train.py``'s: 16 -> 32 -> 1, Adam's state included a
+Models: ``toy`` (``tests/harness/snap_train.py``'s: 16 -> 32 -> 1, Adam's state included a
 few KB), ``100m`` (six 4,096 x 4,096 linear layers with biases: 100.7 M parameters, about
 1.2 GB of state with AdamW's two moments). ``--batch`` sets the rows per step: the snapshot's
 cost is fixed by the model's size, the step's grows with the batch.

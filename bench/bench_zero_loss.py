@@ -1,11 +1,11 @@
 """Benchmark: steps lost per failure, with the training-state API against checkpoints on disk.
 
-Each run starts a job of 3 local agents (``tests.harness``: real agents, real workers, gloo),
+Each run starts a job of 3 local agents (``tests.harness.agents``: real agents, real workers, gloo),
 lets it train, injects one fault at a random point of a step once every rank is past step
 ``--fault-after``, and lets the survivors finish. Steps lost = the newest step any rank had
 committed before the fault, less the step the job resumed at (a step redone counts as lost).
 
-* ``ddpjob``: ``ddpjob-agent`` running ``tests/integration/snap_train.py`` on
+* ``ddpjob``: ``ddpjob-agent`` running ``tests/harness/snap_train.py`` on
   ``ddpjob_worker.train`` (snapshots in memory at the learned cadence, which for this
   model's 0.1 s steps is every step, and the committed step written at a stop; the restore
   from the survivors; hang detection).
@@ -80,9 +80,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from ddpjob_worker.progress import Phase, path_for, read  # noqa: E402
-from tests.harness import TRAIN, Cluster, Node  # noqa: E402
+from tests.harness.agents import TRAIN, Cluster, Node  # noqa: E402
 
-SNAP = REPO / "tests" / "integration" / "snap_train.py"
+SNAP = REPO / "tests" / "harness" / "snap_train.py"
 FAULTS = ("worker", "pod", "freeze", "copy", "two", "grow", "rejoin", "hang")
 ONLY_DDPJOB = {"copy", "hang"}
 NO_REFERENCE = {"grow"}

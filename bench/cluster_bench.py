@@ -8,8 +8,8 @@ import datetime as dt
 from collections.abc import Iterable
 from typing import Any
 
-from tests.kube import fixtures
-from tests.kube.controlplane import ControlPlane
+from tests.harness.kube import fixtures
+from tests.harness.kube.controlplane import ControlPlane
 
 JSON = dict[str, Any]
 

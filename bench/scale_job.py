@@ -1,11 +1,12 @@
 """One job of N pods (1,024) on hollow nodes: the operator, and the Job controller beside it.
 
 ``python bench/bench_operator.py --backend real --hollow --pods 1024`` runs this. On the real
-control plane of :mod:`tests.kube` with 16 hollow nodes (:mod:`tests.kube.hollow`: pods are
-recorded as running, with an address and an agent that answers, but nothing runs), the real
-operator process (the chart's RBAC and flags: ``--ask-agents``, run in the cluster's network as
-its pod would be) and, in the same run, the built-in Job controller of kube-controller-manager
-(its default client: 20 requests a second, burst 30):
+control plane of :mod:`tests.harness.kube` with 16 hollow nodes
+(:mod:`tests.harness.kube.hollow_nodes`: pods are recorded as running, with an address and an agent
+that answers, but nothing runs), the real operator process (the chart's RBAC and flags:
+``--ask-agents``, run in the cluster's network as its pod would be) and, in the same run, the
+built-in Job controller of kube-controller-manager (its default client: 20 requests a second, burst
+30):
 
 1. a 64-pod DDPJob: created -> all pods created, -> all Running; then deleted;
 2. a DDPJob of N pods (``kubectl apply``): -> all created, -> all Running;
@@ -52,9 +53,9 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import cluster_bench  # noqa: E402
-from tests.kube import fixtures, network  # noqa: E402
-from tests.kube.client import ApiError, Client  # noqa: E402
-from tests.kube.controlplane import ControlPlane  # noqa: E402
+from tests.harness.kube import fixtures, network  # noqa: E402
+from tests.harness.kube.client import ApiError, Client  # noqa: E402
+from tests.harness.kube.controlplane import ControlPlane  # noqa: E402
 
 JSON = dict[str, Any]
 NS = "bench"

@@ -1,5 +1,5 @@
-"""Fixtures every tier may use: the real control plane (:mod:`tests.kube.fixtures`) and the
-real Kueue controller on it (:mod:`tests.kueue.fixtures`)."""
+"""Fixtures every tier may use: the real control plane (:mod:`tests.harness.kube.fixtures`) and the
+real Kueue controller on it (:mod:`tests.harness.kueue.fixtures`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Generator
 
 import pytest
 
-from tests.kube.fixtures import control_plane_report, kube, kube_cluster
-from tests.kueue.fixtures import kueue, kueue_queues
+from tests.harness.kube.fixtures import control_plane_report, kube, kube_cluster
+from tests.harness.kueue.fixtures import kueue, kueue_queues
 
 __all__ = ["kube", "kube_cluster", "kueue", "kueue_queues"]
 

@@ -1,4 +1,4 @@
-"""The clusters of the e2e tests: the real control plane of ``tests/kube``, and kind.
+"""The clusters of the e2e tests: the real control plane of ``tests/harness/kube``, and kind.
 
 Every test here runs twice: ``[real]`` on the session's real control plane (etcd,
 kube-apiserver, kube-controller-manager and kube-scheduler built from Go modules, process
@@ -23,7 +23,7 @@ kind: one cluster per session, shared by every test in this directory:
 Without kind or a Docker daemon that answers, every test here is skipped with the reason; with
 ``DDPJOB_E2E=1`` (``make e2e``) it fails instead, and ``DDPJOB_E2E=0`` skips it even where kind
 and Docker exist (``make test`` in CI, whose ``e2e`` job runs the suite). kubectl and helm come from PATH, else from
-the dev extra's wheel (tests/tools.py).
+the dev extra's wheel (tests/harness/tools.py).
 
 Environment:
 
@@ -59,8 +59,18 @@ from pathlib import Path
 
 import pytest
 
-from tests import tools
-from tests.e2e.cluster import (
+from tests.harness import tools
+from tests.harness.install import (
+    CHART,
+    TEST_NAMESPACE,
+    artifacts_dir,
+    install_on_real,
+)
+from tests.harness.kind import docker, gobuild
+from tests.harness.kind.__main__ import build_all
+from tests.harness.kind.cluster import KindCluster
+from tests.harness.kube.controlplane import ControlPlane
+from tests.harness.kubectl import (
     ROOT,
     Installed,
     Kube,
@@ -71,36 +81,18 @@ from tests.e2e.cluster import (
     resolve_tool,
     run,
 )
-from tests.kind import docker, gobuild
-from tests.kind.__main__ import build_all
-from tests.kind.cluster import KindCluster
-from tests.kube.controlplane import ControlPlane, free_port
 
 DEFAULT_CLUSTER = "ddpjob-e2e"
-TEST_NAMESPACE = "ddpjob-e2e"
 OPERATOR_NAMESPACE = "ddpjob-system"
 RELEASE = "ddpjob"
-CHART = ROOT / "charts" / "ddpjob"
 OPERATOR_REPOSITORY = "ddpjob-operator"
 WORKER_REPOSITORY = "ddpjob-worker-cpu"
-REAL_RELEASE = "ddpjob-e2e"
-REAL_OPERATOR_NAMESPACE = "ddpjob-e2e-system"
-"""On the shared real control plane ``ddpjob-system`` holds the RBAC the other tests use."""
-REAL_OPERATOR_IMAGE = "ghcr.io/ddpjob/ddpjob-operator"
-REAL_WORKER_IMAGE = "ghcr.io/ddpjob/ddpjob-worker-cpu:0.1.0"
-"""Images the process kubelet knows (tests/kube/runtime.py): the dev venv's programs."""
 
 FAILED = pytest.StashKey[bool]()
 
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
-def artifacts_dir() -> Path:
-    path = Path(os.environ.get("DDPJOB_E2E_ARTIFACTS") or ROOT / ".cache" / "e2e-artifacts")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 # ---- hooks ---------------------------------------------------------------------------------
@@ -130,7 +122,7 @@ def pytest_runtest_makereport(
 
 @pytest.fixture(scope="session")
 def e2e_requirements() -> str:
-    """The kind to use (:func:`tests.e2e.cluster.kind_mode`), once its requirements are met."""
+    """The kind to use (:func:`tests.harness.kubectl.kind_mode`), once its requirements are met."""
     if disabled():
         pytest.skip("DDPJOB_E2E=0: the kind e2e suite is turned off (run it with make e2e)")
     try:
@@ -182,7 +174,7 @@ def dump_diagnostics(backend: KindBackend, target: Path) -> None:
 @dataclasses.dataclass
 class KindBackend:
     """How the suite drives its kind cluster: the user's kind (``upstream``) or the one built
-    here (``offline``, :mod:`tests.kind`)."""
+    here (``offline``, :mod:`tests.harness.kind`)."""
 
     kube: Kube
     offline: KindCluster | None = None
@@ -275,7 +267,7 @@ def kind_backend(e2e_requirements: str, request: pytest.FixtureRequest) -> Itera
 
 
 def _offline_backend(request: pytest.FixtureRequest) -> Iterator[KindBackend]:
-    """The kind built here (tests/kind) in the harness's own Docker daemon, with 3 nodes."""
+    """The kind built here (tests/harness/kind) in the harness's own Docker daemon, with 3 nodes."""
     name = os.environ.get("DDPJOB_E2E_CLUSTER") or DEFAULT_CLUSTER
     workdir = Path(tempfile.mkdtemp(prefix="ddpjob-e2e-"))
     shared = workdir / "ckpt"
@@ -294,8 +286,8 @@ def _offline_backend(request: pytest.FixtureRequest) -> Iterator[KindBackend]:
         if cluster.exists():
             pytest.fail(
                 f"a kind cluster named {name!r} already exists in the harness's Docker daemon: "
-                f"delete it (python -m tests.kind.docker exec -- kind delete cluster --name "
-                f"{name}) or stop the daemon (python -m tests.kind.docker stop)",
+                f"delete it (python -m tests.harness.kind.docker exec -- kind delete cluster --name "
+                f"{name}) or stop the daemon (python -m tests.harness.kind.docker stop)",
                 pytrace=False,
             )
         cluster.create()
@@ -460,34 +452,3 @@ def ddpjob_install(e2e_cluster: Kube, request: pytest.FixtureRequest) -> Install
         installed: Installed = request.getfixturevalue("kind_install")
         return installed
     return install_on_real(e2e_cluster)
-
-
-def install_on_real(kube: Kube) -> Installed:
-    """The chart (namespaced, serving ``ddpjob-e2e``) on the real control plane."""
-    for namespace in (TEST_NAMESPACE, REAL_OPERATOR_NAMESPACE):
-        manifest = kube.kubectl(
-            "create", "namespace", namespace, "--dry-run=client", "-o", "yaml"
-        ).stdout
-        kube.kubectl("apply", "-f", "-", stdin=manifest)
-    # Pods share this machine's ports (tests/kube/runtime.py): no fixed 8080/8081.
-    values = {
-        "image": {"repository": REAL_OPERATOR_IMAGE},
-        "watchNamespaces": [TEST_NAMESPACE],
-        "metrics": {"port": free_port()},
-        "health": {"port": free_port()},
-    }
-    values_file = artifacts_dir() / "helm-values-real.json"
-    values_file.write_text(json.dumps(values))
-    kube.helm(
-        "upgrade", "--install", REAL_RELEASE, str(CHART),
-        "--namespace", REAL_OPERATOR_NAMESPACE,
-        "--values", str(values_file), "--wait", "--timeout", "5m",
-    )  # fmt: skip
-    # helm 4's --wait can return before the pod is Ready: wait for the rollout itself.
-    kube.in_namespace(REAL_OPERATOR_NAMESPACE).kubectl(
-        "rollout", "status", f"deployment/{REAL_RELEASE}", "--timeout=300s", timeout=330
-    )
-    return Installed(
-        kube.in_namespace(TEST_NAMESPACE), REAL_OPERATOR_IMAGE, REAL_WORKER_IMAGE, REAL_RELEASE,
-        REAL_OPERATOR_NAMESPACE,
-    )  # fmt: skip

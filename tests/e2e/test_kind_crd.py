@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.cluster import ROOT, Kube
+from tests.harness.kubectl import ROOT, Kube
 
 pytestmark = pytest.mark.e2e
 

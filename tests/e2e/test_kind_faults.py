@@ -1,6 +1,6 @@
 """Real faults on real kind nodes: a node killed, frozen or cut off, pod 0's and another pod's.
 
-The offline kind cluster (tests/kind) has the control plane, which runs the operator, and three
+The offline kind cluster (tests/harness/kind) has the control plane, which runs the operator, and three
 workers. A job of three pods (one per worker: a required anti-affinity; ``minReplicas: 2``)
 trains examples/train.py
 from the worker-cpu image with checkpoints on a directory every node shares. One worker is then
@@ -35,16 +35,9 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 
-from tests.e2e.cluster import Installed, Kube, wait_until
-from tests.e2e.test_kind_operator import (
-    EXAMPLE,
-    STEP_RE,
-    Job,
-    PodLogs,
-    lineage_problems,
-    pod_logs,
-    rank0_runs,
-)
+from tests.e2e.test_kind_operator import EXAMPLE, Job, pod_logs
+from tests.harness.kubectl import Installed, Kube, wait_until
+from tests.harness.podlogs import STEP_RE, PodLogs, lineage_problems, rank0_runs
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import KindBackend

@@ -21,7 +21,7 @@ from ddpjob_worker.agent.policy import Action, WorkerStatus, decide
 from ddpjob_worker.membership import liveness
 from ddpjob_worker.membership.failover import round_is_full
 from ddpjob_worker.membership.liveness import Health
-from tests.harness import wait_until
+from tests.harness.agents import wait_until
 
 
 def failed(remaining: int, collateral: bool | None) -> Action:

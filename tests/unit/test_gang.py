@@ -1,7 +1,7 @@
 """``gangScheduling: Native`` in the pure parts: the spec, the PodGroup and pods the builders
 make, and ``ddpjob_operator.core.gang``: the choice of group, the ``GangScheduled`` condition (through
 ``reconcile()``), and when the PodGroup is posted (alone and through the controller). The real
-scheduler's side is in tests/integration/test_gang.py."""
+scheduler's side is in tests/cluster/test_gang.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tests.kind.cluster without Docker: the kind config, the pod network, and the forwarder that
+"""tests.harness.kind.cluster without Docker: the kind config, the pod network, and the forwarder that
 makes an API server in another network namespace reachable on this one's 127.0.0.1."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kind.cluster import Forwarder, cni_conflist, kind_config, routes
-from tests.kube import network
+from tests.harness.kind.cluster import Forwarder, cni_conflist, kind_config, routes
+from tests.harness.kube import network
 
 
 def test_kind_config_has_no_default_cni_and_one_control_plane() -> None:

@@ -1,4 +1,4 @@
-"""The kind binaries' build (tests/kind/gobuild.py): pins, cache key, steps, and its errors.
+"""The kind binaries' build (tests/harness/kind/gobuild.py): pins, cache key, steps, and its errors.
 
 No network and no compiler: ``go`` is a shell script, and the module cache is a directory here.
 """
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kind import gobuild
-from tests.kube import build as kube_build
+from tests.harness.kind import gobuild
+from tests.harness.kube import build as kube_build
 
 
 @pytest.fixture

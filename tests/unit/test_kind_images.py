@@ -1,4 +1,4 @@
-"""tests.kind.images, tests.kind.docker and the runc-capfilter runtime, without Docker: the cache
+"""tests.harness.kind.images, tests.harness.kind.docker and the runc-capfilter runtime, without Docker: the cache
 keys, kind's files as we change them, the capability filter, and the messages of failures."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kind import docker, images
-from tests.kind import runc_capfilter as capfilter
+from tests.harness.kind import docker, images
+from tests.harness.kind import runc_capfilter as capfilter
 
 # ---- cache keys -----------------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
-"""Reading the test control plane's audit log from an offset (tests.kube.controlplane)."""
+"""Reading the test control plane's audit log from an offset (tests.harness.kube.controlplane)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.kube.controlplane import ControlPlane
+from tests.harness.kube.controlplane import ControlPlane
 
 
 def test_an_offset_taken_mid_line_skips_that_line_and_a_half_written_last_line(

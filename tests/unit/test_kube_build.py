@@ -1,4 +1,4 @@
-"""The real control plane's build (tests/kube/build.py): pins, cache key, and its errors."""
+"""The real control plane's build (tests/harness/kube/build.py): pins, cache key, and its errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kube import build
+from tests.harness.kube import build
 
 
 def test_the_pins_are_read_from_the_go_module() -> None:

@@ -1,4 +1,4 @@
-"""The Kueue controller's build (tests/kueue/build.py): the pin, the cache key, and its errors.
+"""The Kueue controller's build (tests/harness/kueue/build.py): the pin, the cache key, and its errors.
 
 No network and no compiler: ``go`` is a shell script, and the module is a copy under tmp_path.
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kube import build as kube_build
-from tests.kueue import build
+from tests.harness.kube import build as kube_build
+from tests.harness.kueue import build
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_a_missing_go_stops_with_one_line_naming_the_fix(
             call()
         message = str(raised.value)
         assert "\n" not in message
-        assert "`go` is not on PATH" in message and "python -m tests.kueue build" in message
+        assert "`go` is not on PATH" in message and "python -m tests.harness.kueue build" in message
     assert not build.bin_dir().exists()
 
 

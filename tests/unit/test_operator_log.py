@@ -1,4 +1,4 @@
-"""The operator-health check every operator test ends with (``tests.kube.fixtures``): what in
+"""The operator-health check every operator test ends with (``tests.harness.kube.fixtures``): what in
 an operator's log, and in its exit, counts as the operator going wrong."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kube.fixtures import OperatorRun, operator_log_problems
+from tests.harness.kube.fixtures import OperatorRun, operator_log_problems
 
 
 def record(message: str, severity: str = "info", **extra: object) -> str:

@@ -24,7 +24,7 @@ from ddpjob_worker.agent.workers import terminate
 from ddpjob_worker.train import cadence, flat, newest, onstop
 from ddpjob_worker.train.payload import tensor_bytes
 from ddpjob_worker.train.snapshot import SnapshotFile
-from tests.harness import free_port, wait_until
+from tests.harness.agents import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("stop_train.py")

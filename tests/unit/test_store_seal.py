@@ -24,7 +24,7 @@ from ddpjob_worker.membership.keys import END_FAILURE, END_LEAVE
 from ddpjob_worker.membership.liveness import Health
 from ddpjob_worker.membership.nodes import NodeRepr
 from ddpjob_worker.membership.seal import KEY_ENV, Seal, SealError
-from tests.harness import free_port
+from tests.harness.agents import free_port
 
 KEY = Seal(b"the job's key")
 

@@ -30,7 +30,7 @@ from ddpjob_worker.membership.nodes import NodeIdent, NodeRepr
 from ddpjob_worker.membership.seal import Seal
 from ddpjob_worker.membership.watch import RoundView
 from ddpjob_worker.state import StateWriter
-from tests.harness import free_port
+from tests.harness.agents import free_port
 
 
 class Handler:

@@ -25,7 +25,7 @@ from ddpjob_worker.membership.liveness import Health
 from ddpjob_worker.membership.nodes import NodeIdent, NodeRepr
 from ddpjob_worker.membership.watch import Look, RoundView, RoundWatch, host_lost
 from ddpjob_worker.state import Phase, StateWriter, read_state
-from tests.harness import wait_until
+from tests.harness.agents import wait_until
 
 ME, PEER, HOST = (NodeRepr(f"10.0.0.{i}_{i}_0") for i in (1, 2, 3))
 

@@ -77,7 +77,8 @@ def launch(
 
     Raises ``ChildFailedError`` when the workers fail for good (torchrun's behaviour), and
     :class:`EndpointUnreachableError` when the store never comes up. ``agent_class`` is for the
-    hollow agents of the scale benchmark (``tests.hollow``: stand-in workers, the same agent).
+    hollow agents of the scale benchmark (``tests.harness.hollow_agents``: stand-in workers, the
+    same agent).
     """
     rdzv_configs = dict(config.rdzv_configs)
     if settings.is_host is not None and config.rdzv_backend == "c10d":
