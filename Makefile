@@ -24,8 +24,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	mkdir -p .cache && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir .cache/site
 
-test: lint kube kueue  ## Everything that can run here: lint, types, layers, then every tier (kind e2e skips itself without kind)
+.PHONY: docs docs-reference
+docs: $(STAMP)  ## Serve the documentation site (mkdocs.yml, docs/) on http://127.0.0.1:8000
+	$(BIN)/mkdocs serve
+
+docs-reference: $(STAMP)  ## Regenerate docs/reference/ddpjob.md from the models (hack/gen_reference.py)
+	$(BIN)/python hack/gen_reference.py
+
+test: lint kube kueue  ## Everything that can run here: lint, types, layers, the docs, then every tier (kind e2e skips itself without kind)
 	$(BIN)/python -m pytest -q
 
 # The real control plane (tests/harness/kube): etcd, kube-apiserver, kube-controller-manager and
