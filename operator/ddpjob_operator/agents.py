@@ -19,7 +19,7 @@ hosts the store, then those that did not answer their first question (asked once
 as not ready for a whole sweep, and a 1,024-pod start ended in a status write 10 s later with
 1,018 of 1,024 ready); once the store's host has fallen silent (or said it no longer hosts),
 the :data:`SUCCESSORS` lowest-indexed pods that answer, at most once a second, until one says
-it hosts (its successor is the lowest-ranked survivor, docs/agent.md, store failover: found as
+it hosts (its successor is the lowest-ranked survivor, docs/concepts/store-failover.md: found as
 soon as it takes over, not in its turn of the sweep), for :data:`KEEP_SECONDS` at most; then
 the other pods of a node where a pod fell silent (pods of a node are lost together: a node of
 64 is found in a pass or two, not one pod after another over the sweep, each a change of the

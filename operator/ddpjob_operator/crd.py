@@ -117,7 +117,7 @@ def openapi_schema() -> JSON:
     """The openAPIV3Schema of the DDPJob CRD."""
     spec = structural(api.DDPJobSpec.model_json_schema(by_alias=True, mode="validation"))
     status = structural(api.DDPJobStatus.model_json_schema(by_alias=True, mode="serialization"))
-    spec["description"] = "What the user asks for. See the README for every field."
+    spec["description"] = "What the user asks for. docs/reference/ddpjob.md has every field."
     status["description"] = "What the operator observed. Written by the operator only."
     return {
         "type": "object",

@@ -63,7 +63,7 @@ DDPJOB_RDZV_PEERS = "DDPJOB_RDZV_PEERS"
 """Where the job's agents answer (``host:port``, comma-separated; a name may resolve to every
 pod, as a headless Service's does). A starting agent asks them for the current store before it
 uses ``PET_RDZV_ENDPOINT``; with it set, the survivors of a lost store host carry on around a
-new host (store failover, docs/agent.md)."""
+new host (store failover, docs/concepts/store-failover.md)."""
 DDPJOB_STORE_READ_TIMEOUT = "DDPJOB_STORE_READ_TIMEOUT"
 """Our short rendezvous-store read timeout (seconds). Only ddpjob-agent applies it (as the c10d
 ``read_timeout``). It is *not* put in ``PET_RDZV_CONF``: torch also uses ``read_timeout`` as the

@@ -60,7 +60,7 @@ Rules, in the order they apply:
 * Otherwise: create the Service and every missing pod ``0..desired-1``, delete failed pods so
   they can be recreated under the same name, and scale down by deleting the highest indices
   first (pod 0, which bootstraps the job's first store, is never removed while the job runs;
-  any pod may host the store later: docs/agent.md, store failover). New pods carry the job's
+  any pod may host the store later: docs/concepts/store-failover.md). New pods carry the job's
   store key unless a pod made without it may still run (:func:`store_keyed`), and name the
   job's PodGroup if it asks for a gang, the cluster serves PodGroups and no live pod was made
   without the group; ``GangScheduled`` says where the gang is.

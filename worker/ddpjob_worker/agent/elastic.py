@@ -24,8 +24,8 @@ The decision after each look, what a restart costs and the charges settled after
 :mod:`~ddpjob_worker.agent.judge`'s. torch's template cannot pass *why* it restarts the workers, so
 the reason is one record (:class:`~ddpjob_worker.agent.judge.Restart`), written just before
 ``_restart_workers`` and used up by ``_stop_workers`` and ``_rendezvous``. Every transition is
-written to the state file (:mod:`ddpjob_worker.state`). docs/agent.md has the failure model and a
-glossary.
+written to the state file (:mod:`ddpjob_worker.state`). docs/concepts/failures.md has the failure
+model, docs/agent.md a glossary.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def _record_uncaught_errors() -> None:
     """Write an uncaught exception of the script to torch's error file
     (``TORCHELASTIC_ERROR_FILE``, in the format of torch's ``@record``), as ``@record`` would:
     the agent reads it to tell a worker's own error from a collective that failed under it
-    (docs/agent.md, "Who is charged"). Once per process; a file already written (by
+    (docs/agent.md, "Recovery rules"). Once per process; a file already written (by
     ``@record``) is kept."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or _recording:
