@@ -247,8 +247,8 @@ def test_each_phase_of_a_ddp_step_is_marked_for_the_agent(
         data = torch.randn(12, 4)
         phases = []
         for indices in state.batches():
-            phases.append(read(record))
             with state.step():
+                phases.append(read(record))
                 loss = model(data[indices]).sum()
                 loss.backward()
                 phases.append(read(record))

@@ -33,6 +33,7 @@ from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
 from ddpjob_worker.progress import Phase
 from ddpjob_worker.saving import marked
 from ddpjob_worker.train import cadence, onstop, snapwriter
+from ddpjob_worker.train.payload import Stateful
 from ddpjob_worker.train.phases import Marks
 from ddpjob_worker.train.restore import Restored, rank_world
 from ddpjob_worker.train.sampler import ElasticSampler
@@ -55,6 +56,7 @@ class Committed(Protocol):
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     sampler: ElasticSampler
+    scheduler: Stateful | None
     extra: dict[str, Any]
     generation: int
     step_no: int
@@ -73,6 +75,10 @@ class Held:
     torch_rng: torch.Tensor
     extra: dict[str, Any]
     buffers: list[torch.Tensor]
+    scheduler: dict[str, Any] | None = None
+    """The scheduler's state, and each param group's hyperparameters (what a scheduler sets):
+    a scheduler stepped per micro-batch moves them before the next ``optimizer.step``."""
+    groups: list[dict[str, Any]] | None = None
 
 
 class Committer:
@@ -92,14 +98,18 @@ class Committer:
         self._state = state
         self._marks = marks
         self.path = path
-        self.pending: int | None = None
-        """The samples the step under way consumes (its batch's count), until it commits."""
+        self.stepped = False
+        """An optimizer step (or a step the scaler skipped) ran in the step block under way:
+        its end commits. A block without one is a micro-batch of the next step."""
+        self.in_block = False
+        self._warned_outside = False
         self.writer: SnapshotWriter | None = None
         if path is not None:
             self.writer = SnapshotWriter(path, background=background)
             # The parameters and the optimizer's state may still be being copied for the
             # last commit's snapshot: its next step must not change them before that ends.
             state.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        state.optimizer.register_step_post_hook(self._after_optimizer_step)
         self.cadence = cadence.Cadence(snapshot_every)
         self.written = 0
         """Snapshots this process has written (periodic and at stops)."""
@@ -137,10 +147,9 @@ class Committer:
         state = self._state
         writer = self.writer
         cadence = self.cadence
+        self.stepped = False
         with self._lock:
-            if self.pending is not None:
-                state.sampler.advance(self.pending)
-                self.pending = None
+            state.sampler.commit()
             state.step_no += 1
             self._dirty = False
             stopped = self._stopping
@@ -237,13 +246,38 @@ class Committer:
     def _deferrable(self) -> set[int]:
         return snapwriter.pointers(self._state.model, self._state.optimizer)
 
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.in_block:
+            self.stepped = True
+        elif not self._warned_outside:
+            self._warned_outside = True
+            logger.warning(
+                "optimizer.step() ran outside `with state.step():`: call it inside the step "
+                "block (the block in which it runs commits the step; the blocks before it, "
+                "without one, are the step's micro-batches); this step is not counted"
+            )
+
+    def scaler_step(self, step: Any) -> Any:
+        """``GradScaler.step``, wrapped: a step the scaler skips (inf or NaN gradients: no
+        ``optimizer.step``) is a step all the same, and commits."""
+
+        def wrapped(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            self._before_optimizer_step(optimizer, args, kwargs)
+            result = step(optimizer, *args, **kwargs)
+            if self.in_block:
+                self.stepped = True
+            return result
+
+        return wrapped
+
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.writer is None:
+            return
         with self._lock:
             while self._stopping:  # a stop's snapshot reads the parameters now
                 self._cond.wait()
             self._dirty = True
-        if self.writer is not None:
-            self.writer.wait_copied()
+        self.writer.wait_copied()
 
     # -- a stop's snapshot ----------------------------------------------------------------------
 
@@ -261,7 +295,14 @@ class Committer:
             copies = held.buffers
             if copies:
                 torch._foreach_copy_(copies, self._buffers)
-        self._held = Held(state.step_no, torch.get_rng_state(), dict(state.extra), copies)
+        held = Held(state.step_no, torch.get_rng_state(), dict(state.extra), copies)
+        if state.scheduler is not None:
+            held.scheduler = state.scheduler.state_dict()
+            held.groups = [
+                {key: value for key, value in group.items() if key != "params"}
+                for group in state.optimizer.param_groups
+            ]
+        self._held = held
 
     def _past_optimizer_step(self) -> bool:
         """A step is between its ``optimizer.step`` and its commit."""
@@ -336,6 +377,11 @@ class Committer:
         if held is not None and held.step == step:
             state["rng"]["torch"] = held.torch_rng
             state["extra"] = held.extra
+            if held.scheduler is not None and held.groups is not None:
+                state["scheduler"] = held.scheduler
+                groups = state["optimizer"]["param_groups"]
+                for group, hyper in zip(groups, held.groups, strict=True):
+                    group.update(hyper)
             if held.buffers:
                 kept = {
                     live.data_ptr(): copy

@@ -109,19 +109,31 @@ class _Step:
     """:meth:`TrainState.step`'s block: a class, not a generator, as it runs once a step (a
     ``contextlib.contextmanager`` costs a generator and two more calls each time)."""
 
-    __slots__ = ("_commits",)
+    __slots__ = ("_commits", "_marks", "_state")
 
-    def __init__(self, commits: Committer) -> None:
+    def __init__(self, state: TrainState, commits: Committer, marks: Marks) -> None:
+        self._state = state
         self._commits = commits
+        self._marks = marks
 
     def __enter__(self) -> None:
-        return None
+        commits = self._commits
+        commits.in_block = True
+        if commits.writer is not None:
+            commits.writer.waited = 0.0
+        if self._marks.on:
+            self._marks.mark(self._state.step_no, Phase.COMPUTE)
 
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        if kind is None:
-            self._commits.commit()
-        else:
-            self._commits.failed()
+        commits = self._commits
+        commits.in_block = False
+        if kind is not None:
+            commits.stepped = False
+            commits.failed()
+        elif commits.stepped:
+            commits.commit()
+        else:  # no optimizer step: a micro-batch of the next step
+            self._state.sampler.ended()
 
 
 class TrainState:
@@ -133,8 +145,10 @@ class TrainState:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        sampler: ElasticSampler,
+        sampler: ElasticSampler | None = None,
+        loader: Any = None,
         scheduler: Stateful | None = None,
+        scaler: Any = None,
         extra: dict[str, Any] | None = None,
         seed: int | None = None,
         path: Path | None = None,
@@ -156,10 +170,11 @@ class TrainState:
         fails, writes the step it has committed first (see the module doc)."""
         self.model = model
         self.optimizer = optimizer
-        self.sampler = sampler
+        self.sampler = _the_sampler(sampler, loader)
         self.scheduler = scheduler
+        self.scaler = scaler
         self.extra: dict[str, Any] = {} if extra is None else extra
-        self.seed = sampler.seed if seed is None else seed
+        self.seed = self.sampler.seed if seed is None else seed
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.step_no = 0
         """The committed step."""
@@ -173,31 +188,58 @@ class TrainState:
             background=background,
             snapshot_every=snapshot_every,
         )
-        self._step_block = _Step(self._commits)
+        self._step_block = _Step(self, self._commits, self._marks)
+        self.sampler.attach(rank_world, self._restore_once)
+        if scaler is not None:
+            # A step the scaler skips calls no optimizer.step: it commits all the same.
+            scaler.step = self._commits.scaler_step(scaler.step)
 
     # -- the loop ---------------------------------------------------------------------------
 
     def batches(self) -> Iterator[list[int]]:
         """Restore (once), then yield this rank's indices for each next step until the
         sampler's epochs are done. A batch whose step was not committed is yielded again."""
-        marks = self._marks
-        if self.restored is None:
-            marks.mark(self.step_no, Phase.IDLE)
-            self.restore()
+        self._restore_once()
         rank, world = rank_world()  # a process's world does not change: a restart is a new one
-        commits = self._commits
+        sampler = self.sampler
         while True:
-            batch = self.sampler.next_batch(rank, world)
+            if sampler.outstanding:  # the last batch's block failed: it comes again
+                sampler.rewind()
+            batch = sampler.take(rank, world)
             if batch is None:
-                marks.mark(self.step_no, Phase.IDLE)
+                self._marks.mark(self.step_no, Phase.IDLE)
                 self.flush()
                 return
-            commits.pending = batch.consumed
-            if marks.on:
-                marks.mark(self.step_no, Phase.COMPUTE)
-            if commits.writer is not None:
-                commits.writer.waited = 0.0
             yield batch.indices
+
+    def epochs(self, epochs: int | None = None) -> Iterator[int]:
+        """Restore (once), then yield the number of each epoch left, from the restored one
+        (``epochs``, when given, is the sampler's count of epochs): the loop over a DataLoader
+        whose ``batch_sampler`` is the sampler, each epoch's iteration the rest of that epoch::
+
+            for epoch in state.epochs(max_epochs):
+                for x, y in loader:
+                    with state.step():
+                        ...
+        """
+        if epochs is not None:
+            if epochs <= 0:
+                raise ValueError(f"TrainState.epochs: epochs must be positive: {epochs}")
+            self.sampler.epochs = epochs
+        self._restore_once()
+        sampler = self.sampler
+        while sampler.resumed_epoch < sampler.epochs:
+            epoch = sampler.resumed_epoch
+            yield epoch
+            if sampler.resumed_epoch == epoch:  # the loop left the epoch early
+                return
+        self._marks.mark(self.step_no, Phase.IDLE)
+        self.flush()
+
+    def _restore_once(self) -> None:
+        if self.restored is None:
+            self._marks.mark(self.step_no, Phase.IDLE)
+            self.restore()
 
     def step(self) -> _Step:
         """A context manager that commits the step on a clean exit of the block: advance the
@@ -260,6 +302,7 @@ class TrainState:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "extra": self.extra,
             "rng": rng_state(),
@@ -277,6 +320,8 @@ class TrainState:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
         self.extra.clear()
         self.extra.update(state["extra"])
@@ -343,3 +388,35 @@ class TrainState:
         # A rank that received the step holds no snapshot of it: a stop writes it.
         commits.restored(restored.step if restored.local and not restored.checkpoint else None)
         return restored
+
+
+def _the_sampler(sampler: ElasticSampler | None, loader: Any) -> ElasticSampler:
+    """The sampler given, or the one the DataLoader given takes its batches from."""
+    if sampler is not None:
+        if loader is not None and getattr(loader, "batch_sampler", None) is not sampler:
+            raise ValueError(
+                "TrainState(sampler=..., loader=...): the loader's batch_sampler is not this "
+                "sampler; give one of them (DataLoader(dataset, batch_sampler=sampler))"
+            )
+        if not isinstance(sampler, ElasticSampler):
+            raise TypeError(
+                f"TrainState(sampler=...) takes an ElasticSampler, not a "
+                f"{type(sampler).__name__}: replace it with "
+                "ElasticSampler(len(dataset), batch_size=...), and give the DataLoader "
+                "batch_sampler=that sampler (no sampler, batch_size, shuffle or drop_last)"
+            )
+        return sampler
+    if loader is None:
+        raise TypeError("TrainState needs sampler=ElasticSampler(...) or loader=<a DataLoader>")
+    found = getattr(loader, "batch_sampler", None)
+    if isinstance(found, ElasticSampler):
+        return found
+    inner = getattr(found, "sampler", None) or getattr(loader, "sampler", None)
+    named = type(inner if inner is not None else found).__name__
+    raise TypeError(
+        f"TrainState(loader=...): this DataLoader takes its batches from a {named}, whose "
+        "position the snapshot cannot carry across a change of world size: make it "
+        "DataLoader(dataset, batch_sampler=ElasticSampler(len(dataset), batch_size=B), ...) "
+        "with no sampler, batch_size, shuffle or drop_last (the ElasticSampler shuffles by "
+        "epoch and splits each step over the ranks)"
+    )
