@@ -267,10 +267,44 @@ def test_the_wrong_sampler_or_a_shuffling_loader_is_named_with_the_fix() -> None
     sampler = ElasticSampler(8, batch_size=2)
     with pytest.raises(ValueError, match="mutually exclusive"):  # torch's own message
         DataLoader(data, batch_sampler=sampler, shuffle=True)
-    with pytest.raises(TypeError, match="serves no TrainState yet"):
-        list(DataLoader(data, batch_sampler=sampler))
+    # Serving no TrainState (an evaluation loader): every iteration is the epoch from its start.
+    evaluation = DataLoader(data, batch_sampler=sampler)
+    assert [ids.tolist() for ids, _ in evaluation] == [ids.tolist() for ids, _ in evaluation]
+    assert sorted(i for ids, _ in evaluation for i in ids.tolist()) == list(range(8))
     state = TrainState(model=model, optimizer=opt, loader=DataLoader(data, batch_sampler=sampler),
                        snapshots=False)  # fmt: skip
     assert state.sampler is sampler
     with pytest.raises(ValueError, match="dataset's length changed"):
         ElasticSampler(9).load_state_dict(sampler.state_dict())
+
+
+def test_the_audit_proves_every_sample_once_along_the_kept_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DDPJOB_TRAIN_AUDIT: a run, a restart that resumes from its snapshot, and a stale commit
+    past the restored step (a lineage given up) check clean; an audit whose steps repeat a batch
+    or skip one does not."""
+    from ddpjob_worker.train import audit  # noqa: PLC0415
+
+    monkeypatch.setenv(audit.DDPJOB_TRAIN_AUDIT, str(tmp_path / "audit"))
+    path = tmp_path / "rank0.snap"
+    first = make(path)
+    train_loader(first, loader_of(first, 2), [], stop=7)
+    # A pod that resumed from step 7 and reached 10, then died with its snapshots: the job
+    # resumes from step 7 again, and the commits of 8-10 are a lineage given up.
+    (tmp_path / "lost.snap").write_bytes(path.read_bytes())
+    lost = make(tmp_path / "lost.snap")
+    train_loader(lost, loader_of(lost, 0), [], stop=10)
+    again = make(path)
+    train_loader(again, loader_of(again, 0), [], stop=10_000)
+    lines = audit.read(tmp_path / "audit")
+    found = audit.check(lines, 48)
+    assert found.problems == []
+    assert found.steps == 24 and found.restores == [(0, 1), (7, 1), (7, 1)]
+    commits = [line for line in lines if "step" in line]
+    repeated = [dict(line) for line in commits]
+    repeated[3]["to"] = repeated[3]["from"]  # step 4 "consumed nothing": step 5 repeats it
+    assert any("starts at" in p for p in audit.check(repeated, 48).problems)
+    doubled = [dict(line) for line in commits]
+    doubled[5]["batches"] = doubled[4]["batches"]
+    assert any("samples twice" in p for p in audit.check(doubled, 48).problems)

@@ -19,6 +19,7 @@ model.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -33,6 +34,7 @@ from ddpjob_worker.contract import DDPJOB_SNAPSHOT_DIR
 from ddpjob_worker.progress import Phase
 from ddpjob_worker.saving import marked
 from ddpjob_worker.train import cadence, onstop, snapwriter
+from ddpjob_worker.train.audit import Audit
 from ddpjob_worker.train.payload import Stateful
 from ddpjob_worker.train.phases import Marks
 from ddpjob_worker.train.restore import Restored, rank_world
@@ -103,6 +105,9 @@ class Committer:
         its end commits. A block without one is a micro-batch of the next step."""
         self.in_block = False
         self._warned_outside = False
+        self.audit = Audit.from_env(os.environ, _rank())
+        if self.audit is not None:
+            state.sampler.kept = collections.deque()
         self.writer: SnapshotWriter | None = None
         if path is not None:
             self.writer = SnapshotWriter(path, background=background)
@@ -148,8 +153,10 @@ class Committer:
         writer = self.writer
         cadence = self.cadence
         self.stepped = False
+        sampler = state.sampler
+        before = (sampler.epoch, sampler.processed)
         with self._lock:
-            state.sampler.commit()
+            batches = sampler.commit()
             state.step_no += 1
             self._dirty = False
             stopped = self._stopping
@@ -177,6 +184,9 @@ class Committer:
                 if writer is not None:
                     self._hold()
             self._committed_at = time.perf_counter()
+        if self.audit is not None:
+            after = (sampler.epoch, sampler.processed)
+            self.audit.committed(state.step_no, rank_world()[1], before, after, batches)
         if self._onstop is not None and self._onstop.pending is not None:
             self._onstop.release()  # the script's SIGTERM handler, held while the step ran
 
@@ -409,6 +419,13 @@ class Committer:
     def snapped(self) -> int:
         """The step of the newest snapshot this rank's file holds (-1: none known)."""
         return self._snapped
+
+
+def _rank() -> int:
+    """This process's rank: the group's, else the launcher's ``RANK`` (a state made before the
+    process group)."""
+    rank, world = rank_world()
+    return rank if world > 1 else int(os.environ.get("RANK", "0") or 0)
 
 
 def _under_launcher(env: dict[str, str] | os._Environ[str]) -> bool:

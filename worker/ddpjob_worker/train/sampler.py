@@ -100,6 +100,9 @@ class ElasticSampler:
         """Where the next batch handed out begins (epoch, processed)."""
         self._where: Callable[[], tuple[int, int]] | None = None
         self._first: Callable[[], None] | None = None
+        self.kept: collections.deque[tuple[int, list[int]]] | None = None
+        """With an audit (:mod:`ddpjob_worker.train.audit`): the epoch and this rank's indices
+        of each batch handed out beyond the committed position."""
 
     # -- the epoch's order and the step's shares ---------------------------------------------
 
@@ -157,6 +160,8 @@ class ElasticSampler:
         """A step that consumed ``consumed`` samples (all ranks together) was committed."""
         self.epoch, self.processed = self._moved(self.epoch, self.processed, consumed)
         self._taken.clear()
+        if self.kept is not None:
+            self.kept.clear()
         self._done = 0
         self._cursor = (self.epoch, self.processed)
 
@@ -183,6 +188,8 @@ class ElasticSampler:
         batch = self._batch_at(epoch, start, rank, world)
         if batch is not None:
             self._taken.append(batch.consumed)
+            if self.kept is not None:
+                self.kept.append((epoch, batch.indices))
             self._cursor = self._moved(epoch, start, batch.consumed)
         return batch
 
@@ -196,16 +203,19 @@ class ElasticSampler:
         if self._done < len(self._taken):
             self._done += 1
 
-    def commit(self) -> None:
+    def commit(self) -> list[tuple[int, list[int]]] | None:
         """A step block ended with a commit: the step consumed its batch and the micro-batches
-        before it."""
+        before it. With an audit, their epochs and this rank's indices."""
         self.ended()
         consumed = 0
         taken = self._taken
+        kept = self.kept
+        batches = None if kept is None else [kept.popleft() for _ in range(self._done)]
         for _ in range(self._done):
             consumed += taken.popleft()
         self._done = 0
         self.epoch, self.processed = self._moved(self.epoch, self.processed, consumed)
+        return batches
 
     def rewind(self) -> None:
         """Forget the batches handed out that no step block took (a loader's prefetch, a
@@ -213,6 +223,8 @@ class ElasticSampler:
         taken = self._taken
         while len(taken) > self._done:
             taken.pop()
+            if self.kept:
+                self.kept.pop()
         epoch, processed = self.epoch, self.processed
         for consumed in taken:
             epoch, processed = self._moved(epoch, processed, consumed)
@@ -228,11 +240,9 @@ class ElasticSampler:
 
     def _bound(self) -> tuple[int, int]:
         if self._where is None or self._first is None:
-            raise TypeError(
-                "this ElasticSampler serves no TrainState yet: make the TrainState "
-                "(TrainState(model=..., optimizer=..., sampler=this sampler)) before the "
-                "DataLoader is iterated"
-            )
+            # No TrainState: nothing commits, so each iteration is the epoch from the start
+            # (an evaluation loader), this rank's share by the launcher's RANK and WORLD_SIZE.
+            return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self._first()
         return self._where()
 

@@ -387,6 +387,8 @@ class TrainState:
         restore.check_same_model(self.model, commits.path.parent if commits.path else None)
         # A rank that received the step holds no snapshot of it: a stop writes it.
         commits.restored(restored.step if restored.local and not restored.checkpoint else None)
+        if commits.audit is not None:
+            commits.audit.restored(self.step_no, rank_world()[1], model_checksum(self.model))
         return restored
 
 
