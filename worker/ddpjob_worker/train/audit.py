@@ -80,6 +80,11 @@ class Lineage:
         self.steps = 0
         self.restores: list[tuple[int, int]] = []
         """Each restore's step and world."""
+        self.lost: list[int] = []
+        """Each restore's lost steps: the newest step any rank had committed before it, less
+        the step it resumed from (0 for the first start)."""
+        self.end: list[int] = [0, 0]
+        """The sampler's committed position after the last kept step: [epoch, processed]."""
         self.problems: list[str] = []
 
 
@@ -93,17 +98,20 @@ def check(lines: Iterable[Mapping[str, Any]], size: int) -> Lineage:
     sums: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
     kept: dict[int, dict[int, Mapping[str, Any]]] = {}
     event = -1  # the restore under way: its ranks' lines, until a step is committed
+    newest = 0
     for line in sorted(lines, key=lambda line: float(line["t"])):
         if "restore" in line:
             step, world = int(line["restore"]), int(line["world"])
             if event < 0 or found.restores[event] != (step, world):
                 found.restores.append((step, world))
+                found.lost.append(max(0, newest - step))
                 event = len(found.restores) - 1
             for later in [s for s in kept if s > step]:
                 del kept[later]
             sums[(event, world)].add(int(line["sum"]))
         else:
             event = -1
+            newest = max(newest, int(line["step"]))
             kept.setdefault(int(line["step"]), {})[int(line["rank"])] = line
     for (event, world), seen in sums.items():
         if len(seen) != 1:
@@ -128,6 +136,7 @@ def check(lines: Iterable[Mapping[str, Any]], size: int) -> Lineage:
                     found.problems.append(f"step {step} rank {rank}: an index outside {size}")
                 per_epoch[int(epoch)].update(indices)
         position = list(next(iter(ranks.values()))["to"])
+    found.end = position
     for epoch, counts in sorted(per_epoch.items()):
         twice = sorted(i for i, n in counts.items() if n > 1)
         if twice:
