@@ -144,7 +144,7 @@ def measure(
             next(loops[mode])
             with state.step():
                 runs[mode].step()
-            if state.snapshots_written >= 2 or mode == "nosnap":
+            if state.stats.snapshots_written >= 2 or mode == "nosnap":
                 break
     settle()
     while len(times["auto"]) < steps:
@@ -152,7 +152,7 @@ def measure(
             state = states.get(mode)
             one_step = runs[mode].step
             for _ in range(block):
-                count = 0 if state is None else state.snapshots_written
+                count = 0 if state is None else state.stats.snapshots_written
                 started = time.perf_counter()
                 if state is None:
                     if mode == "sampler":
@@ -163,11 +163,11 @@ def measure(
                     with state.step():
                         one_step()
                 times[mode].append(time.perf_counter() - started)
-                if state is not None and mode in written and state.snapshots_written > count:
-                    written[mode].append(state.snapshot_seconds)
+                if state is not None and mode in written and state.stats.snapshots_written > count:
+                    written[mode].append(state.stats.snapshot_seconds)
             settle()
             if state is not None and mode in background:
-                background[mode].append(state.background_seconds)  # the block's last copy
+                background[mode].append(state.stats.background_seconds)  # the block's last copy
     params = sum(p.numel() for p in runs["plain"].model.parameters())
     # Means, not medians: a snapshot every few steps shows in the mean only.
     mean = {mode: statistics.fmean(times[mode]) for mode in MODES}
@@ -185,7 +185,7 @@ def measure(
         "auto_vs_sampler": mean["auto"] / mean["sampler"],
         "auto_vs_nosnap": mean["auto"] / mean["nosnap"],
         "auto_vs_every": mean["auto"] / mean["every"],
-        "auto_interval": auto.snapshot_interval,
+        "auto_interval": auto.stats.snapshot_interval,
         "auto_snapshots": len(written["auto"]),
         "snapshot_s": statistics.median(written["every"] or [0.0]),
         "background_s": statistics.median(background["every"] or [0.0]),

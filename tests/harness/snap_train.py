@@ -128,7 +128,7 @@ def main() -> None:
             opt.step()
             time.sleep(args.step_sleep)
         say(
-            f"committed rank={rank} step={state.step_no} ms={state.snapshot_seconds * 1000:.2f} "
+            f"committed rank={rank} step={state.step_no} ms={state.stats.snapshot_seconds * 1000:.2f} "
             f"sum={state_sum(model, opt)}"
         )
     say(f"done rank={rank} step={state.step_no} sum={model_checksum(model)}")

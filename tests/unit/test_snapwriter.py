@@ -134,7 +134,7 @@ def test_the_slot_holds_the_committed_step_though_the_next_step_ran_and_its_upda
     # The slot holds step 2 as committed (weight 2, the buffer as the commit saw it), not the
     # weight or buffer after the next step's forward and update.
     assert committed(path) == (2, 2.0, 2.0)
-    assert state.wait_seconds >= 0.25
+    assert state.stats.wait_seconds >= 0.25
 
 
 def test_a_small_state_is_written_whole_at_the_commit(tmp_path: Path) -> None:

@@ -112,10 +112,10 @@ def test_the_payload_round_trips_model_optimizer_scheduler_sampler_rng_and_extra
     train(state, 3)
     torch.manual_seed(42)
     random.seed(42)
-    payload = bytes(state.payload())
+    payload = bytes(state._payload())
     expected_torch, expected_py = torch.rand(3), random.random()
     other = make_state(None)
-    other.load_payload(payload)
+    other._load_payload(payload)
     assert torch.equal(torch.rand(3), expected_torch) and random.random() == expected_py
     assert other.step_no == 3 and other.extra == {"seen": 24}
     assert other.sampler.state_dict() == state.sampler.state_dict()
@@ -133,11 +133,11 @@ def test_the_payload_round_trips_model_optimizer_scheduler_sampler_rng_and_extra
 def test_each_commit_is_snapshotted_and_a_restart_resumes_where_it_was(tmp_path: Path) -> None:
     path = tmp_path / "rank0.snap"
     fresh = make_state(path)
-    assert fresh.restore().source is None  # nothing anywhere: step 0
+    assert fresh._restore().source is None  # nothing anywhere: step 0
     train(fresh, 5)
     snap = newest(SnapshotFile.open(path))
     assert snap is not None and snap.step == 5
-    assert fresh.snapshot_seconds > 0
+    assert fresh.stats.snapshot_seconds > 0
 
     again = make_state(path)
     train(again, 8)  # restores step 5 first, then trains 3 more
@@ -155,7 +155,7 @@ def test_with_no_snapshot_anywhere_the_checkpoint_on_disk_is_the_fallback(
     checkpoint on disk, and the steps after it are trained again to the same model."""
     ckpt = tmp_path / "disk" / "latest.pt"
     first = make_state(tmp_path / "a.snap", checkpoint=ckpt)
-    assert first.restore().checkpoint is False  # no checkpoint yet: a fresh start
+    assert first._restore().checkpoint is False  # no checkpoint yet: a fresh start
     train(first, 4)
     assert first.save_checkpoint()
     train(first, 6)  # two steps past the checkpoint, then every snapshot is lost
@@ -175,7 +175,7 @@ def test_with_no_snapshot_anywhere_the_checkpoint_on_disk_is_the_fallback(
     assert again.extra == reference.extra
 
     newer = make_state(tmp_path / "b.snap", checkpoint=ckpt)
-    assert newer.restore().step == 8  # a snapshot anywhere wins over the checkpoint
+    assert newer._restore().step == 8  # a snapshot anywhere wins over the checkpoint
     assert newer.restored is not None and newer.restored.checkpoint is False
     with pytest.raises(ValueError, match="checkpoint=<path>"):
         make_state(None).save_checkpoint()
@@ -188,7 +188,7 @@ def test_a_checkpoint_that_cannot_be_read_is_an_error_not_a_fresh_start(
     unreadable.mkdir()  # a directory where the file should be: reading it fails
     state = make_state(tmp_path / "a.snap", checkpoint=unreadable)
     with pytest.raises(RuntimeError, match=r"cannot read the checkpoint \(.*state\.pt"):
-        state.restore()
+        state._restore()
 
 
 def test_an_uncommitted_step_is_not_counted_and_its_batch_comes_again(tmp_path: Path) -> None:
@@ -208,7 +208,7 @@ def test_a_state_that_outgrows_its_file_gets_a_larger_one(
     SnapshotFile.create(path, 16)  # someone else's tiny file
     train(state, 1)
     snaps = SnapshotFile.open(path)
-    assert snaps.capacity >= 2 * len(state.payload())
+    assert snaps.capacity >= 2 * len(state._payload())
     state.extra["big"] = b"x" * (2 * snaps.capacity)
     with caplog.at_level("INFO", logger="ddpjob_worker.train.snapwriter"):
         train(state, 2)
@@ -279,4 +279,4 @@ def test_a_checkpoint_also_snapshots_its_step_so_no_older_snapshot_wins_over_it(
     # The restore prefers any snapshot to the file: the snapshots must not be older than it.
     assert newest(SnapshotFile.open(path)).step == 7  # type: ignore[union-attr]
     again = make_state(path, checkpoint=tmp_path / "ckpt.pt", every=1000)
-    assert again.restore().step == 7
+    assert again._restore().step == 7

@@ -223,7 +223,7 @@ def test_a_step_the_scaler_skips_commits_and_the_scaler_state_is_restored(tmp_pa
     assert state.step_no == 3
     assert scaler.get_scale() == 512.0  # halved once, at the skipped step
     other = make(path, scaler=torch.amp.GradScaler("cpu", init_scale=1.0))
-    assert other.restore().step == 3
+    assert other._restore().step == 3
     assert other.scaler is not None and other.scaler.get_scale() == 512.0
 
 
@@ -247,7 +247,7 @@ def test_a_scheduler_stepped_per_micro_batch_is_held_at_the_commit(tmp_path: Pat
     assert state._commits.write_held(2, "a test's stop")
     other = make(path)
     other.scheduler = torch.optim.lr_scheduler.StepLR(other.optimizer, step_size=1, gamma=0.5)
-    assert other.restore().step == 2
+    assert other._restore().step == 2
     assert other.scheduler.last_epoch == 3
     assert other.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     assert other.sampler.state_dict()["processed"] == 3 * 4
@@ -308,3 +308,40 @@ def test_the_audit_proves_every_sample_once_along_the_kept_steps(
     doubled = [dict(line) for line in commits]
     doubled[5]["batches"] = doubled[4]["batches"]
     assert any("samples twice" in p for p in audit.check(doubled, 48).problems)
+
+
+def test_a_compiled_model_and_clipped_gradients_restore_to_the_run_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """torch.compile wraps the model (its state dict's keys gain ``_orig_mod.``): the snapshot is
+    the compiled module's own state dict, and restores into the same compiled script."""
+
+    def compiled(path: Path | None) -> TrainState:
+        torch.manual_seed(0)
+        model: torch.nn.Module = torch.compile(torch.nn.Linear(4, 1), backend="eager")  # type: ignore[assignment]
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sampler = ElasticSampler(48, batch_size=4, seed=5)
+        return TrainState(model=model, optimizer=opt, sampler=sampler, path=path,
+                          snapshots=path is not None, snapshot_every=1)  # fmt: skip
+
+    def run(state: TrainState, stop: int) -> None:
+        data = torch.arange(48 * 4, dtype=torch.float32).reshape(48, 4) / 100
+        for indices in state.batches():
+            if state.step_no >= stop:
+                return
+            with state.step():
+                state.model(data[indices]).mean().backward()
+                torch.nn.utils.clip_grad_norm_(state.model.parameters(), 0.01)
+                state.optimizer.step()
+                state.optimizer.zero_grad()
+
+    path = tmp_path / "rank0.snap"
+    first = compiled(path)
+    run(first, 5)
+    assert any(key.startswith("_orig_mod.") for key in first.model.state_dict())
+    again = compiled(path)
+    run(again, 10_000)
+    assert again.restored is not None and again.restored.step == 5
+    reference = compiled(None)
+    run(reference, 10_000)
+    assert model_checksum(again.model) == model_checksum(reference.model)

@@ -46,7 +46,8 @@ commit would cost more than the rest together); torch's are the commit's.
 A script's own SIGTERM handler still runs; while a step is between its ``optimizer.step`` and
 its commit it is held until the commit, so a handler that exits does not throw that step away.
 
-The restore (:meth:`TrainState.restore`, run by :meth:`TrainState.batches` before its first
+The restore (run by :meth:`TrainState.batches`, :meth:`TrainState.epochs` or the first
+iteration of the sampler, before its first
 batch, over the default process group: :mod:`ddpjob_worker.train.restore`) resumes every rank
 from the highest step any rank holds, each rank from its own copy where it has the same bytes,
 the others by broadcast; then all ranks compare a checksum of their model state and fail loudly
@@ -69,6 +70,7 @@ Only the worker side imports this module (it imports torch); the agent never doe
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Iterator
@@ -98,11 +100,29 @@ __all__ = [
     "Batch",
     "ElasticSampler",
     "Restored",
+    "Stats",
     "TrainState",
     "model_checksum",
     "newest",
     "snapshot_path",
 ]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stats:
+    """:attr:`TrainState.stats`: what the snapshots have cost."""
+
+    snapshots_written: int
+    """Snapshots this process has written (periodic and at stops)."""
+    snapshot_interval: int
+    """Committed steps from one periodic snapshot to the next, as of now (``snapshot_every``,
+    or what :mod:`ddpjob_worker.train.cadence` learned)."""
+    snapshot_seconds: float
+    """How long the last snapshot took on the training thread (at the commit)."""
+    background_seconds: float
+    """How long the last finished background copy took (copy, checksum, publish)."""
+    wait_seconds: float
+    """How long this step waited for the last snapshot's background copy."""
 
 
 class _Step:
@@ -239,7 +259,7 @@ class TrainState:
     def _restore_once(self) -> None:
         if self.restored is None:
             self._marks.mark(self.step_no, Phase.IDLE)
-            self.restore()
+            self._restore()
 
     def step(self) -> _Step:
         """A context manager that commits the step on a clean exit of the block: advance the
@@ -252,32 +272,17 @@ class TrainState:
     # -- the snapshot's timings and waits ----------------------------------------------------
 
     @property
-    def snapshots_written(self) -> int:
-        """Snapshots this process has written (periodic and at stops)."""
-        return self._commits.written
-
-    @property
-    def snapshot_interval(self) -> int:
-        """Committed steps from one periodic snapshot to the next, as of now
-        (``snapshot_every``, or what :mod:`ddpjob_worker.train.cadence` learned)."""
-        return self._commits.cadence.interval
-
-    @property
-    def snapshot_seconds(self) -> float:
-        """How long the last snapshot took on the training thread (at the commit)."""
-        return self._commits.seconds
-
-    @property
-    def background_seconds(self) -> float:
-        """How long the last finished background copy took (copy, checksum, publish)."""
-        writer = self._commits.writer
-        return 0.0 if writer is None else writer.background_seconds
-
-    @property
-    def wait_seconds(self) -> float:
-        """How long this step waited for the last snapshot's background copy."""
-        writer = self._commits.writer
-        return 0.0 if writer is None else writer.waited
+    def stats(self) -> Stats:
+        """What the snapshots have cost so far (:class:`Stats`), as of now."""
+        commits = self._commits
+        writer = commits.writer
+        return Stats(
+            snapshots_written=commits.written,
+            snapshot_interval=commits.cadence.interval,
+            snapshot_seconds=commits.seconds,
+            background_seconds=0.0 if writer is None else writer.background_seconds,
+            wait_seconds=0.0 if writer is None else writer.waited,
+        )
 
     def flush(self) -> None:
         """Wait until the last snapshot is whole in its file (its background copy, if any,
@@ -286,12 +291,6 @@ class TrainState:
         be reading them; see :mod:`ddpjob_worker.train.snapwriter`). The restore, a checkpoint,
         the next snapshot and the end of :meth:`batches` call it."""
         self._commits.flush()
-
-    def snapshot(self) -> None:
-        """Write the committed state into this rank's snapshot file now (the tensors copied
-        once, straight into the file: :mod:`ddpjob_worker.train.flat`; the parameters and the
-        optimizer's state possibly in the background: :mod:`ddpjob_worker.train.snapwriter`)."""
-        self._commits.snapshot()
 
     # -- the state ----------------------------------------------------------------------------
 
@@ -329,12 +328,12 @@ class TrainState:
         if rng:
             set_rng_state(state["rng"])
 
-    def payload(self) -> memoryview:
+    def _payload(self) -> memoryview:
         buffer = io.BytesIO()
         torch.save(self.state_dict(), buffer)
         return buffer.getbuffer()
 
-    def load_payload(self, payload: bytes | memoryview, *, rng: bool = True) -> None:
+    def _load_payload(self, payload: bytes | memoryview, *, rng: bool = True) -> None:
         """Load a snapshot's bytes (:mod:`ddpjob_worker.train.flat`) or a checkpoint's
         (``torch.save``)."""
         if flat.is_flat(payload):
@@ -345,7 +344,7 @@ class TrainState:
         self.load_state_dict(state, rng=rng)
 
     def _load(self, payload: bytes | memoryview, *, rng: bool) -> int:
-        self.load_payload(payload, rng=rng)
+        self._load_payload(payload, rng=rng)
         return self.step_no
 
     # -- checkpoints on disk, and the restore -------------------------------------------------
@@ -370,12 +369,12 @@ class TrainState:
         self._marks.mark(self.step_no, Phase.SAVING)
         try:
             with saving():
-                checkpoint_file.write(self.checkpoint, self.payload())
+                checkpoint_file.write(self.checkpoint, self._payload())
         finally:
             self._marks.mark(self.step_no, Phase.COMMIT)
         return True
 
-    def restore(self) -> Restored:
+    def _restore(self) -> Restored:
         """Resume from the newest step any rank holds (:mod:`ddpjob_worker.train.restore`), or
         from the checkpoint, or start fresh; then check that every rank holds the same model.
         Collective: every rank calls it."""
