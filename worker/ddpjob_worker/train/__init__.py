@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ddpjob_worker.train.sampler import ElasticSampler as ElasticSampler
     from ddpjob_worker.train.snapshot import newest as newest
     from ddpjob_worker.train.snapshot import snapshot_path as snapshot_path
+    from ddpjob_worker.train.trainstate import Stats as Stats
     from ddpjob_worker.train.trainstate import TrainState as TrainState
 
 _HOMES = {
@@ -27,12 +28,14 @@ _HOMES = {
     "model_checksum": "ddpjob_worker.train.payload",
     "newest": "ddpjob_worker.train.snapshot",
     "snapshot_path": "ddpjob_worker.train.snapshot",
+    "Stats": "ddpjob_worker.train.trainstate",
 }
 
 __all__ = [
     "Batch",
     "ElasticSampler",
     "Restored",
+    "Stats",
     "TrainState",
     "model_checksum",
     "newest",

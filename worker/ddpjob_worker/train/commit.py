@@ -154,7 +154,8 @@ class Committer:
         cadence = self.cadence
         self.stepped = False
         sampler = state.sampler
-        before = (sampler.epoch, sampler.processed)
+        audit = self.audit
+        before = None if audit is None else (sampler.epoch, sampler.processed)
         with self._lock:
             batches = sampler.commit()
             state.step_no += 1
@@ -184,9 +185,9 @@ class Committer:
                 if writer is not None:
                     self._hold()
             self._committed_at = time.perf_counter()
-        if self.audit is not None:
+        if audit is not None and before is not None:
             after = (sampler.epoch, sampler.processed)
-            self.audit.committed(state.step_no, rank_world()[1], before, after, batches)
+            audit.committed(state.step_no, rank_world()[1], before, after, batches)
         if self._onstop is not None and self._onstop.pending is not None:
             self._onstop.release()  # the script's SIGTERM handler, held while the step ran
 

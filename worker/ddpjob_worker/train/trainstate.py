@@ -262,9 +262,11 @@ class TrainState:
             self._restore()
 
     def step(self) -> _Step:
-        """A context manager that commits the step on a clean exit of the block: advance the
-        sampler by the batch :meth:`batches` yielded, count the step, write the snapshot when
-        one is due. An exception commits nothing, and writes the committed step's snapshot if
+        """A context manager around one batch (from :meth:`batches` or the DataLoader). A clean
+        exit of a block in which ``optimizer.step`` (or the scaler's step) ran commits: advance
+        the sampler by this batch and the micro-batches before it, count the step, write the
+        snapshot when one is due; a clean exit without one leaves the batch a micro-batch of the
+        next step. An exception commits nothing, and writes the committed step's snapshot if
         the newest is older (a peer died under the all-reduce, most likely: the restart needs
         this rank's committed step)."""
         return self._step_block
