@@ -1,6 +1,13 @@
 """Scripts of pytorch/examples, fetched (not copied into this repository) and patched onto the
 training-state API with the patches in ``examples/pytorch-examples``.
 
+Each script has up to three patches, applied in order: ``<script>.base.patch`` (what a user
+wrote before the API, where the script is not pytorch/examples' own: gradient accumulation),
+``<script>.patch`` (the training-state API: the lines a user changes, counted in the docs) and
+``<script>.cpu.patch`` (the port to gloo on CPU that this machine needs: no device, no NCCL; a
+GPU user does not apply it). ``baseline/<script>.patch`` is the script without the API, its base
+and CPU port in one (the benchmarks' baseline, ``bench/bench_scripts.py``).
+
 The source is a git repository holding :data:`COMMIT`: ``$DDPJOB_PYTORCH_EXAMPLES`` (a clone,
 or a bare mirror), else ``.cache/pytorch-examples``, cloned from GitHub when it is missing and
 the network allows. :func:`checkout` writes the scripts' folders at that commit into a
@@ -61,9 +68,10 @@ def unavailable() -> str | None:
     return None
 
 
-def checkout(script: str, target: Path) -> Path:
+def checkout(script: str, target: Path, *, baseline: bool = False) -> Path:
     """The folder of ``script`` (a key of :data:`FOLDERS`) at :data:`COMMIT` in ``target``,
-    with its patch applied; the folder's path."""
+    with its patches applied (:func:`patches`); the folder's path. ``baseline``: the script
+    without the API instead, as the user had it, ported to CPU (``baseline/<script>.patch``)."""
     folder = FOLDERS[script]
     target.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(
@@ -73,14 +81,21 @@ def checkout(script: str, target: Path) -> Path:
         check=True,
     )
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
-    applied = _git("apply", str(PATCHES / f"{script}.patch"), cwd=target)
-    if applied.returncode != 0:
-        raise RuntimeError(f"{script}.patch does not apply: {applied.stderr}")
+    for patch in [PATCHES / "baseline" / f"{script}.patch"] if baseline else patches(script):
+        applied = _git("apply", str(patch), cwd=target)
+        if applied.returncode != 0:
+            raise RuntimeError(f"{patch.name} does not apply: {applied.stderr}")
     return target / folder
 
 
+def patches(script: str, *, cpu: bool = True) -> list[Path]:
+    """The patches of ``script``, in the order they apply (the CPU port last, unless not ``cpu``)."""
+    names = [f"{script}.base.patch", f"{script}.patch"] + ([f"{script}.cpu.patch"] if cpu else [])
+    return [PATCHES / name for name in names if (PATCHES / name).exists()]
+
+
 def changed_lines(script: str) -> tuple[int, int]:
-    """The patch's added and removed lines."""
+    """The added and removed lines of the API's patch (``<script>.patch``, not the CPU port)."""
     added = removed = 0
     for line in (PATCHES / f"{script}.patch").read_text(encoding="utf-8").splitlines():
         if line.startswith("+") and not line.startswith("+++"):
