@@ -327,6 +327,30 @@ def test_frozen_pod_is_lost_after_the_toleration_and_replaced(
     assert {(149, 0), (149, 1)} <= {(s, r) for s, r, _ in run.steps()}
 
 
+def test_chaos_worker_kills_a_training_process_and_the_pod_lives(
+    tmp_path: Path, start: Callable[..., Run]
+) -> None:
+    """``--chaos-kind worker``: one training process SIGKILLed (a crashed or OOM-killed trainer).
+    Its agent lives and restarts the group in the same pod: nothing is replaced."""
+    chaos = ("--chaos", "4", "--chaos-kind", "worker", "--chaos-faults", "1", "--seed", "3")
+    run = start(manifest(tmp_path, steps=150, ckpt_every=10), *chaos)
+    assert_clean_finish(run, 0)
+    out = run.output()
+    found = re.search(
+        r"chaos: SIGKILL the training process (\d+) of (itest-worker-\d+) \(a crashed worker; "
+        r"the pod lives\)",
+        out,
+    )
+    assert found, out
+    assert "DDPJob itest Succeeded" in out
+    assert "pods replaced: 0" in out
+    assert "worker restarts inside pods: 1" in out
+    # The victim's agent ran a second group in the same pod: a second resume line in its log.
+    log = run.logs()[f"{found.group(2)}.0.log"]
+    assert len(RESUME.findall(log)) == 2, log
+    assert {(149, 0), (149, 1)} <= {(s, r) for s, r, _ in run.steps()}
+
+
 def test_ctrl_c_kills_a_frozen_pod(tmp_path: Path, start: Callable[..., Run]) -> None:
     """A frozen pod would keep Ctrl-C's SIGTERM pending forever: the runner SIGKILLs it, and
     nothing of the run is left stopped (a dead machine: no thaw, a node-lost toleration that

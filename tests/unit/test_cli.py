@@ -94,7 +94,7 @@ _PARTITION = (
         (["--chaos-kind", "partition"], _PARTITION),
         (
             ["--chaos", "5", "--chaos-kind", "scramble"],
-            "argument --chaos-kind: 'scramble' is not a chaos kind; choose from kill, freeze, mixed",
+            "argument --chaos-kind: 'scramble' is not a chaos kind; choose from kill, freeze, worker, mixed",
         ),
         (["--chaos", "0"], "argument --chaos: '0': give more than 0 seconds"),
         (
@@ -116,6 +116,10 @@ _PARTITION = (
             "error: --chaos-node-lost-after applies to frozen pods, and --chaos-kind kill "
             "freezes none",
         ),
+        (
+            ["--chaos", "5", "--chaos-kind", "worker", "--chaos-thaw", "3"],
+            "error: --chaos-thaw applies to frozen pods, and --chaos-kind worker freezes none",
+        ),
     ],
     ids=[
         "partition",
@@ -126,6 +130,7 @@ _PARTITION = (
         "no-chaos",
         "thaw-with-kill",
         "node-lost-with-kill",
+        "thaw-with-worker",
     ],
 )
 def test_run_refuses_chaos_options_that_cannot_work(
@@ -144,8 +149,14 @@ def test_run_help_names_the_chaos_kinds() -> None:
     result = ddpjob("run", "--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
-    assert "--chaos-kind {kill,freeze,mixed}" in text
-    for words in ("kill: SIGKILL", "freeze: SIGSTOP", "mixed: kill or freeze", "partition is"):
+    assert "--chaos-kind {kill,freeze,worker,mixed}" in text
+    for words in (
+        "kill: SIGKILL",
+        "freeze: SIGSTOP",
+        "worker: SIGKILL one training process",
+        "mixed: kill or freeze",
+        "partition is",
+    ):
         assert words in text, words
     assert "--chaos-faults N, --chaos-kills N" in text
 

@@ -15,6 +15,10 @@ CHAOS_KINDS = {
         "it stays frozen until --chaos-thaw, or is killed and replaced as a lost node after "
         "--chaos-node-lost-after"
     ),
+    "worker": (
+        "SIGKILL one training process of the pod (a crashed or OOM-killed trainer): the pod and "
+        "its agent live, and the agent restarts the group"
+    ),
     "mixed": "kill or freeze, chosen at random for each fault",
 }
 """The faults ``--chaos`` can inject, and what each does."""

@@ -230,6 +230,17 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _idle_spare(process: psutil.Process) -> bool:
+    """A warm spare of the agent (``ddpjob_worker.agent.spare``) that no worker has become yet:
+    it waits on a pipe for its worker, and once handed one its stdin is the agent's."""
+    try:
+        if not any("ddpjob_worker.agent.spare" in part for part in process.cmdline()):
+            return False
+        return os.readlink(f"/proc/{process.pid}/fd/0").startswith("pipe:")
+    except (OSError, psutil.Error):
+        return False
+
+
 def signal_all(processes: Iterable[psutil.Process], sig: signal.Signals) -> None:
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
@@ -317,6 +328,26 @@ class ContainerProcess:
         self.remember_descendants()
         signal_all(self.all_processes(), signal.SIGKILL)
         self.frozen_since = None
+
+    def kill_worker(self, choose: Callable[[list[psutil.Process]], psutil.Process]) -> int | None:
+        """SIGKILL one training process of the tree (``choose`` picks it), as an OOM kill or a
+        crash would end it: the root (the agent) lives, and a worker's own children (its
+        DataLoader's workers) see their parent gone. The pid killed; None when there is none
+        (the agent is between two groups)."""
+        workers = [p for p in self._children() if not _idle_spare(p)]
+        if not workers:
+            return None
+        victim = choose(sorted(workers, key=lambda p: p.pid))
+        signal_all([victim], signal.SIGKILL)
+        return victim.pid
+
+    def _children(self) -> list[psutil.Process]:
+        if self.process.returncode is not None:
+            return []
+        try:
+            return psutil.Process(self.process.pid).children()
+        except psutil.NoSuchProcess:
+            return []
 
     def freeze(self, now: float) -> int:
         """SIGSTOP every process of the tree; the number of processes stopped.
@@ -498,6 +529,10 @@ class LocalPod:
     def freeze(self, now: float) -> int:
         """SIGSTOP the whole tree (chaos); the number of processes stopped."""
         return self.container.freeze(now)
+
+    def kill_worker(self, choose: Callable[[list[psutil.Process]], psutil.Process]) -> int | None:
+        """SIGKILL one of the agent's training processes (chaos); its pid, or None."""
+        return self.container.kill_worker(choose)
 
     def thaw(self) -> None:
         """SIGCONT the whole tree."""

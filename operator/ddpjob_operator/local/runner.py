@@ -22,7 +22,10 @@ interval, and the job recovers through the same reconcile logic. The runner play
   node monitor grace period is skipped here) is treated as the taint manager would: SIGKILLed
   and replaced as ``NodeLost``. A frozen pod cannot stop gracefully (SIGTERM waits until it is
   continued), so Ctrl-C and the end of the job SIGKILL it.
-* ``--chaos-kind mixed`` picks one of the two for each fault. A partition cannot be done here
+* ``--chaos-kind worker`` SIGKILLs one training process of the pod (not a warm spare): a trainer
+  that crashed or was OOM-killed. The pod and its agent live; the agent restarts the group (its
+  DataLoader's workers see their parent gone and exit).
+* ``--chaos-kind mixed`` picks kill or freeze for each fault. A partition cannot be done here
   (every pod shares 127.0.0.1): :mod:`.options` refuses it.
 
 Stopping: a signal handler only counts SIGINT/SIGTERM; the loop acts on it. Once
@@ -332,8 +335,19 @@ class LocalRunner:
         if not victims:
             return
         victim = self.random.choice(sorted(victims, key=lambda p: p.index))
-        self.chaos_left -= 1
         kind = self.chaos_kind
+        if kind == "worker":
+            pid = victim.kill_worker(self.random.choice)
+            if pid is None:  # between two groups: try again soon
+                self.next_chaos = now + 0.5
+                return
+            self.chaos_left -= 1
+            self.view.message(
+                f"chaos: SIGKILL the training process {pid} of {victim.name} (a crashed worker; "
+                "the pod lives)"
+            )
+            return
+        self.chaos_left -= 1
         if kind == "mixed":
             kind = self.random.choice(("kill", "freeze"))
         if kind == "freeze":
