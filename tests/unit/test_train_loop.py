@@ -6,6 +6,7 @@ errors that say what to do."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,24 @@ def test_the_wrong_sampler_or_a_shuffling_loader_is_named_with_the_fix() -> None
     assert state.sampler is sampler
     with pytest.raises(ValueError, match="dataset's length changed"):
         ElasticSampler(9).load_state_dict(sampler.state_dict())
+    unordered = DataLoader(data, batch_sampler=sampler, num_workers=2, in_order=False)
+    with pytest.raises(ValueError, match=r"in_order=False.*drop in_order=False"):
+        TrainState(model=model, optimizer=opt, loader=unordered, snapshots=False)
+
+
+class Stream(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(8))
+
+
+def test_an_iterable_dataset_is_refused_with_what_to_do() -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Stream(), batch_size=2)
+    with pytest.raises(
+        TypeError, match=r"iterable dataset \(Stream\).*map-style Dataset.*state_dict"
+    ):
+        TrainState(model=model, optimizer=opt, loader=loader, snapshots=False)
 
 
 def test_the_audit_proves_every_sample_once_along_the_kept_steps(

@@ -411,6 +411,21 @@ def _the_sampler(sampler: ElasticSampler | None, loader: Any) -> ElasticSampler:
         return sampler
     if loader is None:
         raise TypeError("TrainState needs sampler=ElasticSampler(...) or loader=<a DataLoader>")
+    if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"TrainState(loader=...): this DataLoader reads an iterable dataset "
+            f"({type(loader.dataset).__name__}), whose position is its own, not a sampler's, "
+            "so no restore at another world size can be exact: give it a map-style Dataset "
+            "(__len__ and __getitem__) and batch_sampler=ElasticSampler(len(dataset), "
+            "batch_size=B); or keep it, leave loader= out, and save its state_dict() in your "
+            "own checkpoint (exact only at the world size it was saved at)"
+        )
+    if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
+        raise ValueError(
+            "TrainState(loader=...): DataLoader(in_order=False) hands out batches as its "
+            "workers finish them, not in the sampler's order, so the committed position would "
+            "not be what the committed steps consumed: drop in_order=False"
+        )
     found = getattr(loader, "batch_sampler", None)
     if isinstance(found, ElasticSampler):
         return found
